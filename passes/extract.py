@@ -1,0 +1,155 @@
+"""Joint fx graph -> ``solvers.Problem``: the only place that reads torch graphs for planning.
+
+Node facts (bytes, aliasing, time, whether recomputing is allowed) come from a
+cost model passed in, so this pass stays a pure graph walk.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from remat.solvers import Node, Problem
+from torch import fx
+
+from ._torch_compat import mutated_inputs
+
+
+class NodeFacts(Protocol):
+    """What the planner needs to know about one fx node (see ``remat.costs.CostModel``)."""
+
+    def allocated_bytes(self, node: fx.Node) -> int: ...
+    def aliased_input(self, node: fx.Node) -> fx.Node | None: ...
+    def seconds(self, node: fx.Node) -> float: ...
+    def recomputable(self, node: fx.Node) -> bool: ...
+    def workspace(self, node: fx.Node) -> int: ...
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """A Problem and the fx nodes its indices stand for."""
+
+    problem: Problem
+    fx_nodes: tuple[fx.Node, ...]
+    forward_outputs: tuple[fx.Node | None, ...]
+
+    def index(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self.fx_nodes)}
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def is_resident(node: fx.Node) -> bool:
+    """Parameters, buffers, user inputs, RNG seeds and constants: allocated before the step."""
+    return node.op == "get_attr" or (node.op == "placeholder" and not is_tangent(node))
+
+
+def is_multi_output(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def is_symbolic(node: fx.Node) -> bool:
+    """A SymInt/SymFloat/SymBool value: tiny, and torch saves it outside the tensor list."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def must_be_in_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "must_be_in_backward"
+
+
+def extract(
+    joint: fx.GraphModule, num_fwd_outputs: int, facts: NodeFacts, name: str = ""
+) -> Extracted:
+    """Build the Problem of ``joint`` (the graph AOTAutograd hands a partitioner)."""
+    graph_nodes = list(joint.graph.nodes)
+    output = graph_nodes[-1]
+    flat_outputs = list(output.args[0])
+    fwd_outs, bwd_outs = flat_outputs[:num_fwd_outputs], flat_outputs[num_fwd_outputs:]
+
+    backward: set[fx.Node] = set()
+    for n in graph_nodes:
+        if is_tangent(n) or must_be_in_backward(n) or any(i in backward for i in n.all_input_nodes):
+            backward.add(n)
+
+    # Recomputing a reader of an input the runtime overwrites after the forward
+    # would read the new value: such readers run once, in the forward.
+    mutated = mutated_inputs(joint)
+    index: dict[fx.Node, int] = {}
+    kept: list[fx.Node] = []
+    nodes: list[Node] = []
+    for n in graph_nodes:
+        if n.op == "output" or is_resident(n):
+            continue
+        inputs = tuple(sorted({index[i] for i in n.all_input_nodes if i in index}))
+        base = facts.aliased_input(n)
+        producer = n.args[0] if n.target is operator.getitem else None
+        if base is not None and producer is not None and base not in n.all_input_nodes:
+            base = producer  # a getitem of split/unbind: a view through its op
+        alias_of = index.get(base) if base is not None else None
+        output_of = (
+            index.get(producer) if producer is not None and is_multi_output(producer) else None
+        )
+        recomputable = (
+            facts.recomputable(n)
+            and not is_symbolic(n)
+            and not any(i in mutated for i in n.all_input_nodes)
+        )
+        if output_of is not None:
+            recomputable = recomputable and nodes[output_of].recomputable
+        nbytes = 0 if base is not None else _own_bytes(n, facts)
+        index[n] = len(nodes)
+        kept.append(n)
+        nodes.append(
+            Node(
+                name=n.name,
+                phase="bwd" if n in backward else "fwd",
+                bytes=nbytes,
+                cost=facts.seconds(n),
+                inputs=inputs,
+                recomputable=recomputable,
+                alias_of=alias_of,
+                output_of=output_of,
+                op=_op_name(n),
+                workspace=facts.workspace(n),
+            )
+        )
+
+    outputs = tuple(index[o] for o in fwd_outs if isinstance(o, fx.Node) and o in index)
+    grads = tuple(index[g] for g in bwd_outs if isinstance(g, fx.Node) and g in index)
+    resident = sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
+    problem = Problem(
+        tuple(nodes), outputs=outputs, grads=grads, resident_bytes=resident, name=name
+    )
+    return Extracted(problem, tuple(kept), tuple(fwd_outs))
+
+
+def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:
+    """Bytes a node's value holds; a multi-output op's outputs are counted on their
+    getitems (the simulator allocates them when the op runs), except outputs no
+    getitem reads (still written by the kernel, then dropped)."""
+    if node.target is operator.getitem:
+        return _tensor_bytes(node.meta.get("val"))
+    if not is_multi_output(node):
+        return facts.allocated_bytes(node)
+    vals = node.meta["val"]
+    read = {u.args[1] for u in node.users if u.target is operator.getitem}
+    return sum(_tensor_bytes(v) for k, v in enumerate(vals) if k not in read)
+
+
+def _tensor_bytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "placeholder":
+        return "placeholder"
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))

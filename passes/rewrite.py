@@ -1,0 +1,74 @@
+"""Joint graph + Plan -> forward and backward GraphModules that run the plan's schedule.
+
+torch's extractor cuts the joint graph at the saved values (everything the
+backward needs and is not handed lands in the backward, i.e. is recomputed);
+this pass then puts both programs in exactly ``solvers.schedule``'s order and
+checks that the two agree node for node, so the simulator's timeline is the
+program's.
+"""
+
+from __future__ import annotations
+
+from remat.solvers import Plan
+from torch import fx
+
+from ._torch_compat import extract_fwd_bwd_modules
+from .extract import Extracted, is_resident, is_symbolic
+
+
+class ScheduleMismatch(AssertionError):
+    """The extracted graphs do not run the nodes the schedule says: a remat bug."""
+
+
+def rewrite(
+    joint: fx.GraphModule, extracted: Extracted, plan: Plan, num_fwd_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    nodes = extracted.fx_nodes
+    sched = plan.schedule
+    saved = [nodes[i] for i in sorted(sched.saved)]
+    backward_nodes = [nodes[i] for i in sched.backward]
+    # Parameters and inputs the backward reads are handed over too; they are resident.
+    resident_reads = sorted(
+        {
+            i
+            for n in backward_nodes
+            for i in n.all_input_nodes
+            if is_resident(i) and i.op == "placeholder"
+        },
+        key=lambda n: n.name,
+    )
+    saved_values = [n for n in saved if not is_symbolic(n)] + resident_reads
+    saved_syms = [n for n in saved if is_symbolic(n)]
+    fw, bw = extract_fwd_bwd_modules(joint, saved_values, saved_syms, num_fwd_outputs)
+    _reorder(fw, [nodes[i].name for i in sched.forward], "forward")
+    _reorder(bw, [n.name for n in backward_nodes], "backward")
+    return fw, bw
+
+
+def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
+    """Move ``gm``'s computing nodes into ``order``; fail loudly if the sets differ."""
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes if n.op not in ("placeholder", "output")}
+    wanted = [name for name in order if name in by_name or not _is_placeholder(graph, name)]
+    missing = [name for name in wanted if name not in by_name]
+    extra = sorted(set(by_name) - set(wanted))
+    if missing or extra:
+        raise ScheduleMismatch(
+            f"{program} program differs from the schedule: missing {missing[:10]}, "
+            f"unexpected {extra[:10]}"
+        )
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    cursor = placeholders[-1] if placeholders else None
+    for name in wanted:
+        node = by_name[name]
+        if cursor is None:
+            graph.output_node().prepend(node)  # no inputs: keep order before the output
+        else:
+            cursor.append(node)
+        cursor = node
+    graph.lint()
+    gm.recompile()
+
+
+def _is_placeholder(graph: fx.Graph, name: str) -> bool:
+    return any(n.op == "placeholder" and n.name == name for n in graph.nodes)

@@ -1,0 +1,241 @@
+"""What a user types: ``optimize``, ``plan``, ``backend`` and the "remat" dynamo backend."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
+
+from remat.passes._torch_compat import boxed
+from remat.planner import GraphPlan, Planner
+from remat.solvers import InfeasibleBudget, format_bytes, saved_bytes
+from remat.solvers.budget import Budget
+from remat.solvers.solve import Solver
+
+COMPILERS = ("eager", "inductor")
+
+
+class RematBackend:
+    """A ``torch.compile`` backend that plans each graph with a ``Planner``.
+
+    ``compiler="eager"`` runs the rewritten fx programs as plain Python (the
+    schedule is exactly the plan's); ``"inductor"`` hands remat's partition to
+    inductor, which fuses kernels inside it (peak then tracks, not equals, the
+    prediction).
+    """
+
+    def __init__(
+        self,
+        budget: Budget,
+        *,
+        solver: str | Solver = "auto",
+        compiler: str = "eager",
+        cost_model: str = "roofline",
+    ) -> None:
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        self.compiler = compiler
+        self.planner = Planner(budget, solver=solver, cost_model=cost_model)
+
+    @property
+    def graphs(self) -> list[GraphPlan]:
+        return self.planner.graphs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+        if self.compiler == "inductor":
+            from torch._inductor import config
+            from torch._inductor.compile_fx import compile_fx
+
+            with config.patch(custom_partitioner_fn=InductorPartitioner(self.planner)):
+                return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compile_program(program: torch.fx.GraphModule, _inputs):
+            return boxed(program)
+
+        return aot_autograd(
+            fw_compiler=compile_program, bw_compiler=compile_program, partition_fn=self.planner
+        )(gm, example_inputs)
+
+    def report(self) -> PlanReport:
+        return PlanReport(tuple(self.planner.graphs))
+
+
+def _inductor_partitioner_base():
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+class InductorPartitioner(_inductor_partitioner_base()):
+    """Adapter for ``torch._inductor.config.custom_partitioner_fn``."""
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        kwargs.pop("compiler", None)
+        return self.planner(gm, joint_inputs, **kwargs)
+
+    def uuid(self):
+        return f"remat-{self.planner.budget}-{self.planner.solver}-{self.planner.cost_model}"
+
+
+def backend(
+    budget: Budget,
+    *,
+    solver: str | Solver = "auto",
+    compiler: str = "eager",
+    cost_model: str = "roofline",
+) -> RematBackend:
+    """A backend for ``torch.compile(model, backend=remat.backend(budget=...))``."""
+    return RematBackend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
+
+
+def partitioner(
+    budget: Budget, *, solver: str | Solver = "auto", cost_model: str = "roofline"
+) -> InductorPartitioner:
+    """A ``CustomPartitionerFn`` for ``torch._inductor.config.custom_partitioner_fn``."""
+    return InductorPartitioner(Planner(budget, solver=solver, cost_model=cost_model))
+
+
+def _dynamo_backend_entry(gm, example_inputs, *, options: dict | None = None, mode=None):
+    """Entry point for ``torch.compile(model, backend="remat", options={"budget": ...})``."""
+    options = dict(options or {})
+    if "budget" not in options:
+        raise ValueError(
+            'the "remat" backend needs a budget: options={"budget": "2GiB"} '
+            "(or a fraction of the store-all peak, e.g. 0.5)"
+        )
+    return backend(**options)(gm, example_inputs)
+
+
+def optimize(
+    model: nn.Module,
+    budget: Budget,
+    *,
+    solver: str | Solver = "auto",
+    compiler: str = "eager",
+    cost_model: str = "roofline",
+) -> nn.Module:
+    """Return ``model`` compiled so one training step peaks under ``budget``.
+
+    The result shares parameters, buffers and ``state_dict`` keys with
+    ``model`` (it is a shallow copy whose call is compiled), so an optimizer
+    built on either trains both. Planning happens at the first call, like
+    ``torch.compile``; ``result.remat.report()`` shows what was decided.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
+    rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
+    optimized = _compiled_copy(model, rb)
+    optimized.remat = rb
+    return optimized
+
+
+def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
+    """A shallow copy of ``model`` whose ``forward`` is compiled with ``rb``.
+
+    The copy shares the parameter, buffer and submodule dicts, so keys and
+    tensors are the original's. (``nn.Module.compile`` is not used: in torch
+    2.13 the compiled ``_call_impl`` frame is skipped by dynamo and nothing is
+    compiled.)
+    """
+    optimized = copy.copy(model)
+    compiled = torch.compile(optimized.forward, backend=rb, dynamic=False)
+
+    @functools.wraps(model.forward)
+    def forward(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except BackendCompilerFailed as failure:
+            # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
+            if isinstance(failure.inner_exception, (InfeasibleBudget, ValueError)):
+                raise failure.inner_exception from None
+            raise
+
+    optimized.forward = forward
+    return optimized
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Sequence,
+    budget: Budget,
+    *,
+    solver: str | Solver = "auto",
+    cost_model: str = "roofline",
+) -> PlanReport:
+    """Plan ``model`` on ``example_inputs`` without training it.
+
+    Tracing needs one forward pass; buffers it updates (BatchNorm statistics)
+    are restored afterwards, and no gradient is computed.
+    """
+    rb = backend(budget, solver=solver, cost_model=cost_model)
+    traced = _compiled_copy(model, rb)
+    snapshot = {k: v.detach().clone() for k, v in model.named_buffers()}
+    try:
+        traced(*example_inputs)
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(snapshot[k])
+        torch._dynamo.reset()
+    return rb.report()
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Plans of every graph of a model, printable as a table."""
+
+    graphs: tuple[GraphPlan, ...]
+
+    @property
+    def predicted_peak(self) -> int:
+        """Largest predicted peak of one graph plus what earlier graphs keep saved."""
+        held, peak = 0, 0
+        for g in self.graphs:
+            peak = max(peak, held + g.plan.peak)
+            held += g.saved_bytes
+        return peak
+
+    @property
+    def store_all_peak(self) -> int:
+        held, peak = 0, 0
+        for g in self.graphs:
+            peak = max(peak, held + g.store_all.peak)
+            held += saved_bytes(g.extracted.problem, g.store_all)
+        return peak
+
+    def rows(self) -> list[dict]:
+        out = []
+        for g in self.graphs:
+            p, problem = g.plan, g.extracted.problem
+            fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
+            out.append(
+                {
+                    "graph": g.name,
+                    "nodes": len(problem),
+                    "saved": len(p.saved),
+                    "saved bytes": format_bytes(g.saved_bytes),
+                    "recomputed": len(p.recomputed),
+                    "budget": format_bytes(g.budget),
+                    "predicted peak": format_bytes(p.peak),
+                    "store-all peak": format_bytes(g.store_all.peak),
+                    "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
+                    "solver": f"{p.solver} ({p.status})",
+                    "plan time": f"{g.plan_seconds:.2f}s",
+                }
+            )
+        return out
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "PlanReport(no graph compiled yet: call the model once)"
+        return tabulate(self.rows(), headers="keys", tablefmt="simple")

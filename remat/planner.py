@@ -1,0 +1,158 @@
+"""The partitioner remat plugs into AOTAutograd: joint graph -> plan -> fw/bw modules.
+
+One ``Planner`` serves one compiled model. It plans every joint graph dynamo
+hands it (one per graph break) and keeps the plans, so a user can look at
+what was decided and a test can check the prediction against a measurement.
+
+Budget across graph breaks: graphs are compiled in forward order, and the
+values an earlier graph saves stay allocated while later graphs run. An
+absolute budget therefore shrinks, for each graph, by the bytes the graphs
+compiled before it save; a fractional budget applies to each graph's own
+store-all peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from remat import costs
+from remat.passes._torch_compat import real_tensors
+from remat.passes.extract import Extracted, extract
+from remat.passes.rewrite import rewrite
+from remat.solvers import (
+    Plan,
+    format_bytes,
+    parse_budget,
+    resolve_budget,
+    saved_bytes,
+    solve,
+    store_all,
+)
+from remat.solvers.budget import Budget
+from remat.solvers.solve import Solver
+
+log = logging.getLogger("remat")
+
+COST_MODELS = ("roofline", "profile")
+
+
+@dataclass
+class CostModel:
+    """Node facts for ``passes.extract``: bytes and aliasing from fake tensors, time by
+    roofline estimate or, with ``measured``, by timing each op on the device."""
+
+    spec: costs.DeviceSpec
+    device: torch.device
+    measured: dict[str, float] = field(default_factory=dict)
+    _workspaces: dict = field(default_factory=dict)
+
+    def allocated_bytes(self, node: fx.Node) -> int:
+        return costs.allocated_bytes(node)
+
+    def aliased_input(self, node: fx.Node) -> fx.Node | None:
+        return costs.aliased_input(node)
+
+    def seconds(self, node: fx.Node) -> float:
+        if node.name in self.measured:
+            return self.measured[node.name]
+        return costs.estimate_seconds(node, self.spec)
+
+    def workspace(self, node: fx.Node) -> int:
+        return costs.workspace_bytes(node, self.device, self._workspaces)
+
+    def recomputable(self, node: fx.Node) -> bool:
+        return not (costs.is_random(node) or costs.has_side_effects(node))
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What remat decided for one compiled graph, with the numbers behind it."""
+
+    name: str
+    extracted: Extracted
+    plan: Plan
+    store_all: Plan
+    budget: int
+    plan_seconds: float
+
+    @property
+    def saved_bytes(self) -> int:
+        return saved_bytes(self.extracted.problem, self.plan)
+
+
+class Planner:
+    """``partition_fn`` for AOTAutograd (and inductor's custom partitioner)."""
+
+    def __init__(
+        self, budget: Budget, *, solver: str | Solver = "auto", cost_model: str = "roofline"
+    ) -> None:
+        parse_budget(budget)  # fail at construction, not at the first forward
+        if cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+        if isinstance(solver, str):
+            from remat.solvers import SOLVERS
+
+            if solver not in SOLVERS:
+                raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+        self.budget = budget
+        self.solver = solver
+        self.cost_model = cost_model
+        self.graphs: list[GraphPlan] = []
+
+    def __call__(
+        self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_ignored
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        start = time.perf_counter()
+        name = f"graph{len(self.graphs)}"
+        with real_tensors():  # the cost model may run ops on the device
+            facts = self._cost_model(joint)
+            extracted = extract(joint, num_fwd_outputs, facts, name=name)
+        problem = extracted.problem
+        baseline = store_all(problem)
+        limit = self._graph_budget(baseline.peak, name)
+        plan = solve(problem, limit, self.solver)
+        fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
+        record = GraphPlan(name, extracted, plan, baseline, limit, time.perf_counter() - start)
+        self.graphs.append(record)
+        log.info(
+            "remat %s: %s (store-all %s, budget %s, planned in %.2fs)",
+            name,
+            plan,
+            format_bytes(baseline.peak),
+            format_bytes(limit),
+            record.plan_seconds,
+        )
+        return fw, bw
+
+    def _graph_budget(self, store_all_peak: int, name: str) -> int:
+        value = parse_budget(self.budget)
+        if isinstance(value, float):
+            return resolve_budget(value, store_all_peak)
+        held = sum(g.saved_bytes for g in self.graphs)
+        if held >= value:
+            raise ValueError(
+                f"budget {format_bytes(value)} is used up before {name}: earlier graphs of the "
+                f"step (graph breaks) save {format_bytes(held)}. Raise the budget or remove "
+                "the graph breaks (torch._dynamo.explain shows them)."
+            )
+        return value - held
+
+    def _cost_model(self, joint: fx.GraphModule) -> CostModel:
+        device = _device_of(joint)
+        model = CostModel(costs.DeviceSpec.for_device(device), device)
+        if self.cost_model == "profile":
+            model.measured.update(costs.profile_seconds(joint, device))
+        return model
+
+
+def _device_of(gm: fx.GraphModule) -> torch.device:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return torch.device("cpu")

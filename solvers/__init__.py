@@ -1,0 +1,36 @@
+"""Pure planning core of remat: problems, plans, the schedule, the simulator, the solvers.
+
+Imports nothing from torch, so it is fast to test on thousands of random graphs
+and reusable outside PyTorch.
+"""
+
+from .budget import InfeasibleBudget, parse_budget, resolve_budget
+from .heuristics import greedy, recompute_all, store_all
+from .plan import Plan, evaluate, format_bytes, saved_bytes
+from .problem import Node, Problem
+from .schedule import InvalidPlan, Schedule, schedule
+from .simulate import Timeline, simulate
+from .solve import SOLVERS, min_peak_plan, solve
+
+__all__ = [
+    "SOLVERS",
+    "InfeasibleBudget",
+    "InvalidPlan",
+    "Node",
+    "Plan",
+    "Problem",
+    "Schedule",
+    "Timeline",
+    "evaluate",
+    "format_bytes",
+    "greedy",
+    "min_peak_plan",
+    "parse_budget",
+    "recompute_all",
+    "resolve_budget",
+    "saved_bytes",
+    "schedule",
+    "simulate",
+    "solve",
+    "store_all",
+]

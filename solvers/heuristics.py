@@ -1,0 +1,206 @@
+"""Fast solvers without optimality proofs: the two extremes and a peak-guided greedy."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from .budget import InfeasibleBudget
+from .plan import Plan, evaluate, format_bytes
+from .problem import Problem
+
+
+def savable(problem: Problem) -> frozenset[int]:
+    """Forward values a plan may hand to the backward (multi-output ops hand their parts)."""
+    return frozenset(i for i in problem.forward_nodes if not problem.outputs_of[i])
+
+
+def store_all(problem: Problem, budget: int | None = None) -> Plan:
+    """What eager autograd does: save every value of the forward pass the backward reads.
+
+    Forward-phase values that only the backward uses (they depend on no
+    tangent, e.g. a mask built from an activation) are computed in the
+    backward from the saved ones, once, at no extra cost.
+    """
+    saved = savable(problem) & problem.forward_closure
+    return _within(evaluate(problem, saved, solver="store-all", budget=budget), problem)
+
+
+def recompute_all(problem: Problem, budget: int | None = None) -> Plan:
+    """Save only what may not be recomputed. Often *not* the smallest peak: the
+    backward then rebuilds long chains at once."""
+    return _within(evaluate(problem, (), solver="recompute-all", budget=budget), problem)
+
+
+def greedy(problem: Problem, budget: int | None = None) -> Plan:
+    """The cheapest of several fast plans that fits ``budget``.
+
+    Candidates: the trajectory of ``_drop_saves`` (stop saving, one at a time,
+    the value live at the peak that frees the most bytes per unit of recompute
+    cost) and ``checkpoint_sweep`` (segment checkpointing at every segment
+    size). Where none fits, ``_descend`` pushes the lowest peak further down.
+    Without a budget it returns the lowest-peak plan: the feasible minimum
+    remat reports.
+    """
+    start = time.perf_counter()
+    target = -1 if budget is None else budget
+    candidates = _drop_saves(problem, target) + checkpoint_sweep(problem)
+    feasible = [p for p in candidates if p.peak <= target]
+    if not feasible:
+        lowest = min(candidates, key=lambda p: (p.peak, p.recompute_cost))
+        polished = _descend(problem, lowest, target)
+        candidates.append(polished)
+        feasible = [polished] if polished.peak <= target else []
+    if not feasible:
+        best = min(candidates, key=lambda p: (p.peak, p.recompute_cost))
+        if budget is None:
+            return _finish(best, budget, start)
+        raise InfeasibleBudget(budget, best.peak, store_all(problem).peak, problem.name)
+    return _finish(min(feasible, key=lambda p: (p.recompute_cost, p.peak)), budget, start)
+
+
+def _drop_saves(problem: Problem, target: int) -> list[Plan]:
+    """Plans from store-all, each saving one value fewer, until the peak fits ``target``."""
+    plan = evaluate(problem, savable(problem) & problem.forward_closure, solver="greedy")
+    plans = [plan]
+    saved = set(plan.saved)
+    while plan.peak > target:
+        victim = _best_victim(problem, plan)
+        if victim is None:
+            break
+        saved.discard(victim)
+        plan = evaluate(problem, saved, solver="greedy")
+        saved = set(plan.saved)
+        plans.append(plan)
+    return plans
+
+
+def checkpoint_sweep(problem: Problem, levels: int = 24) -> list[Plan]:
+    """Chen et al.'s sublinear-memory heuristic, one plan per segment size.
+
+    Walks the forward in order and saves a *cut* value (one that few bytes
+    flow around: a layer boundary) each time the bytes since the last saved cut
+    exceed a threshold; everything between cuts is recomputed. Sweeping the
+    threshold traces the memory/recompute curve, √n checkpointing included.
+    """
+    nodes, storage = problem.nodes, problem.storage
+    order = sorted(savable(problem) & problem.forward_closure)
+    crossing = _crossing(problem)
+    cuts = {i for i in order if nodes[storage[i]].bytes and crossing[i] <= nodes[i].bytes}
+    if not cuts:
+        return []
+    total = sum(nodes[storage[i]].bytes for i in order)
+    smallest = min(nodes[storage[i]].bytes for i in cuts)
+    plans, seen = [], set()
+    for k in range(levels):
+        threshold = smallest * (total / smallest) ** (k / max(1, levels - 1))
+        saved, since = [], 0
+        for i in order:
+            since += nodes[i].bytes
+            if i in cuts and since >= threshold:
+                saved.append(i)
+                since = 0
+        key = frozenset(saved)
+        if key not in seen:
+            seen.add(key)
+            plans.append(evaluate(problem, key, solver="greedy"))
+    return plans
+
+
+def _crossing(problem: Problem) -> list[int]:
+    """Bytes of forward values made before node i and read after it: what a
+    checkpoint at i leaves uncut."""
+    nodes = problem.nodes
+    last_read = list(range(len(nodes)))
+    for i in problem.forward_closure:
+        for j in nodes[i].inputs:
+            last_read[j] = max(last_read[j], i)
+    delta = [0] * (len(nodes) + 1)
+    for j in problem.forward_closure:
+        if last_read[j] > j + 1 and nodes[j].bytes:
+            delta[j + 1] += nodes[j].bytes
+            delta[last_read[j]] -= nodes[j].bytes
+    crossing, running = [], 0
+    for i in range(len(nodes)):
+        running += delta[i]
+        crossing.append(running)
+    return crossing
+
+
+def _descend(problem: Problem, plan: Plan, target: int) -> Plan:
+    """Flip one value at a time, the flip that lowers the peak most, until none does.
+
+    Flips are limited to values live at the peak: stop saving a saved one, or
+    save a recomputed one, which cuts the recompute chain that runs through it.
+    """
+    storage, nodes = problem.storage, problem.nodes
+    movable = savable(problem)
+    while plan.peak > target:
+        live = plan.timeline.live_at_peak
+        flips = sorted(
+            i
+            for i in plan.saved | plan.recomputed
+            if i in movable and storage[i] in live and nodes[i].recomputable
+        )
+        best = plan
+        for i in flips:
+            trial = evaluate(problem, plan.saved ^ {i}, solver="greedy")
+            if (trial.peak, trial.recompute_cost) < (best.peak, best.recompute_cost):
+                best = trial
+        if best.peak >= plan.peak:
+            return plan
+        plan = best
+    return plan
+
+
+def _best_victim(problem: Problem, plan: Plan) -> int | None:
+    """The saved value live at the peak with the most freed bytes per recompute cost."""
+    nodes, storage = problem.nodes, problem.storage
+    held = {storage[i] for i in (*problem.outputs, *problem.grads)}
+    sharers: dict[int, int] = {}
+    for i in plan.saved:
+        sharers[storage[i]] = sharers.get(storage[i], 0) + 1
+    best, best_score = None, 0.0
+    for i in sorted(plan.saved):
+        root = storage[i]
+        if (
+            not nodes[i].recomputable
+            or root not in plan.timeline.live_at_peak
+            or root in held
+            or sharers[root] > 1
+            or nodes[root].bytes == 0
+        ):
+            continue
+        score = nodes[root].bytes / (_added_cost(problem, plan, i) + 1e-12)
+        if score > best_score:
+            best, best_score = i, score
+    return best
+
+
+def _added_cost(problem: Problem, plan: Plan, victim: int) -> float:
+    """Cost of the nodes that start being recomputed if ``victim`` is no longer saved."""
+    nodes = problem.nodes
+    seen, cost, stack = set(), 0.0, [victim]
+    while stack:
+        i = stack.pop()
+        if i in seen or i in plan.recomputed or (i in plan.saved and i != victim):
+            continue
+        seen.add(i)
+        cost += nodes[i].cost
+        stack.extend(nodes[i].inputs)
+    return cost
+
+
+def _within(plan: Plan, problem: Problem) -> Plan:
+    """Fixed strategies do not adapt to a budget; say so instead of exceeding it."""
+    if plan.budget is not None and plan.peak > plan.budget:
+        raise ValueError(
+            f"solver {plan.solver!r} peaks at {format_bytes(plan.peak)}, over the budget "
+            f"{format_bytes(plan.budget)}{' for ' + problem.name if problem.name else ''}; "
+            "it does not adapt to a budget: use solver='auto' or 'greedy'"
+        )
+    return plan
+
+
+def _finish(plan: Plan, budget: int | None, start: float) -> Plan:
+    return replace(plan, budget=budget, solve_seconds=time.perf_counter() - start)

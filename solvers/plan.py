@@ -1,0 +1,92 @@
+"""A solver's answer: what to save, what it costs, and how sure the solver is."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .problem import Problem
+from .schedule import Schedule, schedule
+from .simulate import Timeline, simulate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Saved and recomputed forward values, with the schedule and timeline they imply.
+
+    ``status`` is ``"optimal"`` when the solver proved no cheaper plan meets
+    the budget, ``"feasible"`` when it stopped with a proven ``bound`` on the
+    recompute cost, and ``"heuristic"`` when there is no bound at all.
+    """
+
+    saved: frozenset[int]
+    recomputed: frozenset[int]
+    peak: int
+    recompute_cost: float
+    solver: str
+    status: str
+    budget: int | None
+    schedule: Schedule
+    timeline: Timeline
+    bound: float | None = None
+    solve_seconds: float = 0.0
+
+    @property
+    def gap(self) -> float | None:
+        """(cost - bound) / cost, 0 when proven optimal, None without a bound."""
+        if self.bound is None:
+            return None
+        if self.recompute_cost <= 0:
+            return 0.0
+        return max(0.0, (self.recompute_cost - self.bound) / self.recompute_cost)
+
+    def __str__(self) -> str:
+        gap = "" if self.gap is None else f", gap {self.gap:.1%}"
+        return (
+            f"Plan({self.solver}, {self.status}{gap}: save {len(self.saved)}, "
+            f"recompute {len(self.recomputed)}, peak {format_bytes(self.peak)}, "
+            f"recompute cost {self.recompute_cost:.3g})"
+        )
+
+
+def evaluate(
+    problem: Problem,
+    saved: Iterable[int],
+    *,
+    solver: str,
+    status: str = "heuristic",
+    budget: int | None = None,
+    bound: float | None = None,
+    solve_seconds: float = 0.0,
+) -> Plan:
+    """Schedule and simulate ``saved``: the only way a Plan is made."""
+    sched = schedule(problem, saved)
+    timeline = simulate(problem, sched)
+    return Plan(
+        saved=sched.saved,
+        recomputed=sched.recomputed,
+        peak=timeline.peak,
+        recompute_cost=sched.recompute_cost,
+        solver=solver,
+        status=status,
+        budget=budget,
+        schedule=sched,
+        timeline=timeline,
+        bound=bound,
+        solve_seconds=solve_seconds,
+    )
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': binary units, as allocators report."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def saved_bytes(problem: Problem, plan: Plan) -> int:
+    """Bytes the forward hands to the backward: storages of the saved values."""
+    roots = {problem.storage[i] for i in plan.saved}
+    return sum(problem.nodes[r].bytes for r in roots)

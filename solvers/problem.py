@@ -1,0 +1,144 @@
+"""The planning problem as pure data: a joint forward+backward graph in execution order.
+
+No torch here (a test enforces it): a Problem is built from an fx graph by
+``remat.passes.extract`` and from random DAGs by the property tests.
+
+Memory model, shared by ``schedule`` and ``simulate``:
+
+- Each node allocates ``bytes`` when it runs. A view (``alias_of`` set) allocates
+  nothing and keeps its base's storage alive while it is alive.
+- An output of a multi-output op (``output_of`` set, a ``getitem`` in fx) is
+  allocated when that op runs, because that is when the kernel writes it.
+- ``workspace`` bytes are scratch a kernel allocates and frees while it runs
+  (convolution's im2col buffers): they count at that node's step only.
+- Parameters and user inputs are resident before the step and are not nodes;
+  gradients (``grads``) and the tangents fed to the backward are nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+Phase = Literal["fwd", "bwd"]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One value of the joint graph.
+
+    ``phase`` is ``"fwd"`` for values that do not depend on a tangent (they can
+    be computed in the forward and saved, or computed again in the backward) and
+    ``"bwd"`` for values that do (they exist only in the backward).
+    """
+
+    name: str
+    phase: Phase
+    bytes: int = 0
+    cost: float = 0.0
+    inputs: tuple[int, ...] = ()
+    recomputable: bool = True
+    alias_of: int | None = None
+    output_of: int | None = None
+    op: str = ""
+    workspace: int = 0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Nodes in execution order plus which of them leave the step.
+
+    ``outputs`` are forward values returned to the caller (held, conservatively,
+    until the step ends); ``grads`` are backward values returned as gradients.
+    ``resident_bytes`` is what was allocated before the step (reported, never
+    part of a peak).
+    """
+
+    nodes: tuple[Node, ...]
+    outputs: tuple[int, ...] = ()
+    grads: tuple[int, ...] = ()
+    resident_bytes: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "grads", tuple(self.grads))
+        for i, node in enumerate(self.nodes):
+            _check_node(self.nodes, i, node)
+        for i in self.outputs:
+            if not 0 <= i < len(self.nodes) or self.nodes[i].phase != "fwd":
+                raise ValueError(f"output {i} is not a forward node")
+        for i in self.grads:
+            if not 0 <= i < len(self.nodes):
+                raise ValueError(f"gradient {i} is not a node")
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def consumers(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the nodes that read it, in execution order."""
+        users: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            for j in node.inputs:
+                users[j].append(i)
+        return tuple(tuple(u) for u in users)
+
+    @cached_property
+    def outputs_of(self) -> tuple[tuple[int, ...], ...]:
+        """For each multi-output op, its output nodes (empty for other nodes)."""
+        parts: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            if node.output_of is not None:
+                parts[node.output_of].append(i)
+        return tuple(tuple(p) for p in parts)
+
+    @cached_property
+    def storage(self) -> tuple[int, ...]:
+        """For each node, the node that owns its storage (itself unless it is a view)."""
+        root: list[int] = []
+        for i, node in enumerate(self.nodes):
+            root.append(i if node.alias_of is None else root[node.alias_of])
+        return tuple(root)
+
+    @cached_property
+    def forward_nodes(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.nodes) if n.phase == "fwd")
+
+    @cached_property
+    def forward_closure(self) -> frozenset[int]:
+        """What a plain forward pass computes: the nodes the outputs depend on, and
+        every output of a multi-output op among them (the kernel writes them all)."""
+        seen: set[int] = set()
+        stack = list(self.outputs)
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(self.nodes[i].inputs)
+        return frozenset(seen).union(*(self.outputs_of[i] for i in seen))
+
+    @cached_property
+    def total_cost(self) -> float:
+        """Cost of running every node once: the yardstick for recompute overhead."""
+        return sum(n.cost for n in self.nodes)
+
+
+def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:
+    where = f"node {i} ({node.name!r})"
+    if node.phase not in ("fwd", "bwd"):
+        raise ValueError(f"{where}: phase must be 'fwd' or 'bwd', got {node.phase!r}")
+    if node.bytes < 0 or node.cost < 0 or node.workspace < 0:
+        raise ValueError(f"{where}: bytes, cost and workspace must be non-negative")
+    for j in node.inputs:
+        if not 0 <= j < i:
+            raise ValueError(f"{where}: input {j} does not run before it")
+        if node.phase == "fwd" and nodes[j].phase == "bwd":
+            raise ValueError(f"{where}: a forward node cannot read backward node {j}")
+    for label, j in (("alias_of", node.alias_of), ("output_of", node.output_of)):
+        if j is not None and j not in node.inputs:
+            raise ValueError(f"{where}: {label}={j} must be one of its inputs")
+    if node.alias_of is not None and node.bytes:
+        raise ValueError(f"{where}: a view allocates no bytes")

@@ -1,0 +1,105 @@
+"""Walk a Schedule and account every byte: the predicted memory timeline.
+
+The accounting mirrors how the rewritten fx programs run: a node's output is
+allocated when it (or, for a multi-output op's outputs, the op) runs; a
+storage is freed right after the last node that reads it or any of its views,
+unless the program returns it. The forward returns its outputs and the saved
+values; the backward starts with them live and returns the gradients. Forward
+outputs are assumed held by the caller until the step ends (conservative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .problem import Problem
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Bytes live while each node runs (its outputs and workspace included), over both
+    programs.
+
+    ``steps`` holds ``(phase, node, live_bytes)``; ``live_at_peak`` the storages
+    (owner nodes) live at the peak, which is what a solver must shrink.
+    """
+
+    peak: int
+    forward_peak: int
+    backward_peak: int
+    peak_phase: str
+    peak_node: int
+    live_at_peak: frozenset[int]
+    steps: tuple[tuple[str, int, int], ...]
+
+
+def simulate(problem: Problem, sched: Schedule) -> Timeline:
+    storage = problem.storage
+    held_by_caller = {storage[i] for i in problem.outputs}
+    fwd_keep = held_by_caller | {storage[i] for i in sched.saved}
+    fwd = _run(problem, "fwd", sched.forward, {}, fwd_keep)
+    bwd_keep = held_by_caller | {storage[i] for i in problem.grads}
+    start = {r: problem.nodes[r].bytes for r in fwd_keep}
+    bwd = _run(problem, "bwd", sched.backward, start, bwd_keep)
+    top = fwd if fwd.peak >= bwd.peak else bwd
+    return Timeline(
+        peak=top.peak,
+        forward_peak=fwd.peak,
+        backward_peak=bwd.peak,
+        peak_phase=top.phase,
+        peak_node=top.peak_node,
+        live_at_peak=top.live_at_peak,
+        steps=fwd.steps + bwd.steps,
+    )
+
+
+@dataclass(frozen=True)
+class _Run:
+    phase: str
+    peak: int
+    peak_node: int
+    live_at_peak: frozenset[int]
+    steps: tuple[tuple[str, int, int], ...]
+
+
+def _run(
+    problem: Problem,
+    phase: str,
+    order: tuple[int, ...],
+    live: dict[int, int],
+    keep: set[int],
+) -> _Run:
+    """Run one program from ``live`` (storage -> bytes); storages in ``keep`` survive it."""
+    nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
+    last_use: dict[int, int] = {}
+    for pos, i in enumerate(order):
+        for j in nodes[i].inputs:
+            last_use[storage[j]] = pos
+        last_use[storage[i]] = pos
+        for part in parts[i]:
+            last_use[storage[part]] = max(last_use.get(storage[part], pos), pos)
+    frees: dict[int, list[int]] = {}
+    for root, pos in last_use.items():
+        if root not in keep:
+            frees.setdefault(pos, []).append(root)
+
+    live = dict(live)
+    for root in [r for r in live if r not in keep and r not in last_use]:
+        del live[root]
+    current = sum(live.values())
+    peak, peak_node, live_at_peak = current, -1, frozenset(live)
+    steps = []
+    for pos, i in enumerate(order):
+        if nodes[i].output_of is None:  # a multi-output op writes its getitems' bytes
+            for new in (i, *parts[i]):
+                if nodes[new].alias_of is None:
+                    live[new] = nodes[new].bytes
+                    current += nodes[new].bytes
+        during = current + nodes[i].workspace
+        steps.append((phase, i, during))
+        if during > peak or peak_node < 0:
+            peak, peak_node, live_at_peak = during, i, frozenset(live)
+        for root in frees.get(pos, ()):
+            current -= live.pop(root, 0)
+    return _Run(phase, peak, peak_node, live_at_peak, tuple(steps))

@@ -1,0 +1,65 @@
+"""Choosing a solver by name, and the one entry point the rest of remat calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .budget import Budget, InfeasibleBudget, resolve_budget
+from .heuristics import greedy, recompute_all, store_all
+from .plan import Plan
+from .problem import Problem
+
+Solver = Callable[[Problem, int], Plan]
+
+SOLVERS: dict[str, Solver] = {
+    "greedy": greedy,
+    "store-all": store_all,
+    "recompute-all": recompute_all,
+}
+
+
+def _auto(problem: Problem, budget: int) -> Plan:
+    """The best solver available: greedy today (CP-SAT joins here when it lands)."""
+    return greedy(problem, budget)
+
+
+SOLVERS["auto"] = _auto
+
+
+def solve(problem: Problem, budget: Budget, solver: str | Solver = "auto") -> Plan:
+    """Plan ``problem`` under ``budget`` (bytes, fraction of store-all, or '512MiB').
+
+    ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``;
+    a callable's plan is re-checked against the budget here, so a buggy user
+    solver cannot break the promise silently.
+    """
+    fn = _lookup(solver)
+    limit = resolve_budget(budget, store_all(problem).peak)
+    plan = fn(problem, limit)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"solver {solver!r} returned {type(plan).__name__}, expected a Plan")
+    if plan.peak > limit:
+        minimum = min_peak_plan(problem).peak
+        if minimum > limit:
+            raise InfeasibleBudget(limit, minimum, store_all(problem).peak, problem.name)
+        raise ValueError(
+            f"solver {solver!r} returned a plan peaking at {plan.peak} bytes, over the budget "
+            f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
+        )
+    return plan
+
+
+def min_peak_plan(problem: Problem) -> Plan:
+    """The lowest-peak plan remat can find: what a budget below it is told."""
+    return greedy(problem)
+
+
+def _lookup(solver: str | Solver) -> Solver:
+    if callable(solver):
+        return solver
+    if solver not in SOLVERS:
+        raise ValueError(
+            f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)} "
+            "or pass a callable (problem, budget_bytes) -> Plan"
+        )
+    return SOLVERS[solver]

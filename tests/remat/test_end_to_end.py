@@ -1,0 +1,220 @@
+"""remat.optimize on the built-in examples: eager's numbers, under the budget, as predicted."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from remat.solvers import min_peak_plan
+
+import remat
+from remat import examples, memory
+
+# Small sizes: each optimize() traces once (a few seconds on 2 cores).
+SIZES = {
+    "mlp": dict(layers=8, width=128, batch=512),
+    "cnn": dict(),
+    "gpt": dict(layers=2, d_model=64, heads=4, seq=64, batch=4, vocab=256, dropout=0.0),
+    "unet": dict(),
+}
+STEPS = 3
+
+
+def build(name: str, **overrides):
+    return examples.load(name, **{**SIZES[name], **overrides})
+
+
+def train(model: torch.nn.Module, step_model, inputs, steps: int = STEPS):
+    """SGD steps; returns per-step losses and the gradients of the last step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = step_model(*inputs)
+        loss.backward()
+        losses.append(loss.detach())
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return torch.stack(losses), grads
+
+
+def min_budget(name: str) -> int:
+    model, inputs = build(name)
+    report = remat.plan(model, inputs, budget=1.0)
+    return min_peak_plan(report.graphs[0].extracted.problem).peak
+
+
+# The CNN's forward alone (first-stage activations plus convolution scratch) peaks
+# above half its store-all peak, so no plan of remat's reaches 0.5 there (the
+# greedy's minimum is ~53%); it is tested at 0.6 instead.
+CASES = [(name, b) for name in sorted(SIZES) for b in (1.0, 0.7, 0.5, "min") if name != "cnn"]
+CASES += [("cnn", b) for b in (1.0, 0.7, 0.6, "min")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,budget", CASES)
+def test_training_matches_eager(name, budget):
+    if budget == "min":
+        budget = min_budget(name)
+    model, inputs = build(name)
+    reference = copy.deepcopy(model)
+    optimized = remat.optimize(model, budget=budget)
+
+    losses, grads = train(model, optimized, inputs)
+    ref_losses, ref_grads = train(reference, reference, inputs)
+
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5)
+    for (key, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=key)
+    for (key, b), (_, c) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=key)
+    report = optimized.remat.report()
+    assert report.graphs and all(g.plan.peak <= g.budget for g in report.graphs)
+
+
+@pytest.mark.slow
+def test_batchnorm_statistics_update_once_per_step():
+    model, inputs = build("cnn")
+    reference = copy.deepcopy(model)
+    optimized = remat.optimize(model, budget=0.5)
+    train(model, optimized, inputs)
+    train(reference, reference, inputs)
+    counts = [b for k, b in model.named_buffers() if k.endswith("num_batches_tracked")]
+    assert counts and all(int(c) == STEPS for c in counts)
+    means = [k for k, _ in model.named_buffers() if k.endswith("running_mean")]
+    for key in means:
+        torch.testing.assert_close(model.get_buffer(key), reference.get_buffer(key))
+
+
+@pytest.mark.slow
+def test_dropout_is_saved_not_recomputed():
+    """With p > 0 a recomputed dropout would draw a new mask: gradients would change."""
+
+    def grads_at(budget):
+        torch.manual_seed(0)
+        model, inputs = build("gpt", dropout=0.2)
+        optimized = remat.optimize(model, budget=budget)
+        torch.manual_seed(1)
+        optimized(*inputs).backward()
+        plan = optimized.remat.report().graphs[0]
+        return {k: p.grad for k, p in model.named_parameters()}, plan
+
+    full, _ = grads_at(1.0)
+    tight, graph = grads_at(0.5)
+    problem = graph.extracted.problem
+    random_nodes = {
+        i
+        for i, n in enumerate(problem.nodes)
+        if not n.recomputable and ("dropout" in n.op or "bernoulli" in n.op)
+    }
+    assert random_nodes, "the gpt example should contain dropout"
+    assert not random_nodes & graph.plan.recomputed
+    assert graph.plan.recomputed, "a 50% budget should recompute something"
+    for key in full:
+        torch.testing.assert_close(tight[key], full[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "unet"])
+def test_measured_peak_keeps_the_budget_and_matches_prediction(name):
+    measured = []
+    for fraction in (1.0, 0.7, 0.5):
+        model, inputs = build(name)
+        optimized = remat.optimize(model, budget=fraction)
+        optimized(*inputs).backward()  # compile and warm up
+        model.zero_grad(set_to_none=True)
+        peak = memory.peak(lambda m=optimized, x=inputs: m(*x).backward()).peak_bytes
+        report = optimized.remat.report()
+        budget = report.graphs[0].budget
+        predicted = report.predicted_peak
+        assert peak <= 1.10 * budget, (fraction, peak, budget)
+        assert abs(predicted - peak) <= 0.10 * peak, (fraction, predicted, peak)
+        measured.append(peak)
+    assert measured == sorted(measured, reverse=True), measured
+
+
+def test_budget_below_minimum_names_it():
+    model, inputs = build("mlp")
+    optimized = remat.optimize(model, budget=1024)
+    with pytest.raises(remat.InfeasibleBudget) as info:
+        optimized(*inputs)
+    assert info.value.minimum > 1024
+    assert str(info.value.minimum) in str(info.value)
+
+
+def test_optimized_module_shares_parameters_and_keys():
+    model, inputs = build("mlp")
+    optimized = remat.optimize(model, budget=0.8)
+    assert list(optimized.state_dict()) == list(model.state_dict())
+    assert all(p is q for p, q in zip(optimized.parameters(), model.parameters(), strict=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = next(model.parameters()).detach().clone()
+    optimized(*inputs).backward()
+    opt.step()
+    assert not torch.equal(before, next(optimized.parameters()))
+
+
+def test_plan_does_not_train_or_touch_buffers():
+    model, inputs = build("cnn")
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    report = remat.plan(model, inputs, budget=0.5)
+    for k, b in model.named_buffers():
+        assert torch.equal(b, buffers[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    assert report.predicted_peak <= report.graphs[0].budget
+    text = str(report)
+    assert "predicted peak" in text and "graph0" in text
+
+
+def test_graph_breaks_get_one_plan_each_and_share_an_absolute_budget():
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+            self.b = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Broken(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    budget = 4 * 2**20
+    optimized = remat.optimize(model, budget=budget)
+    optimized(x).backward()
+    reference(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    graphs = optimized.remat.report().graphs
+    assert len(graphs) == 2
+    assert graphs[1].budget == budget - graphs[0].saved_bytes
+
+
+def test_dynamo_backend_by_name():
+    model, inputs = build("mlp")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="remat", options={"budget": 0.6})
+    compiled(*inputs).backward()
+    reference(*inputs).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_options_fail_before_tracing():
+    model, _ = build("mlp")
+    with pytest.raises(ValueError, match="solver"):
+        remat.optimize(model, budget=0.5, solver="magic")
+    with pytest.raises(ValueError, match="compiler"):
+        remat.optimize(model, budget=0.5, compiler="tvm")
+    with pytest.raises(ValueError, match="budget"):
+        remat.optimize(model, budget="lots")
+    with pytest.raises(TypeError):
+        remat.optimize(lambda x: x, budget=0.5)
