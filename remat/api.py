@@ -49,10 +49,17 @@ class RematBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
         if self.compiler == "inductor":
+            from torch._functorch import config as functorch_config
             from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
 
-            with config.patch(custom_partitioner_fn=InductorPartitioner(self.planner)):
+            # Caches would skip the partitioner on a hit, leaving no plan to report.
+            with (
+                config.patch(
+                    custom_partitioner_fn=InductorPartitioner(self.planner), fx_graph_cache=False
+                ),
+                functorch_config.patch(enable_autograd_cache=False),
+            ):
                 return compile_fx(gm, example_inputs)
         from torch._dynamo.backends.common import aot_autograd
 
@@ -82,6 +89,11 @@ class InductorPartitioner(_inductor_partitioner_base()):
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
         return self.planner(gm, joint_inputs, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # inductor snapshots its config by deep copy; the planner and its plans are
+        # shared state, not configuration.
+        return self
 
     def uuid(self):
         return f"remat-{self.planner.budget}-{self.planner.solver}-{self.planner.cost_model}"

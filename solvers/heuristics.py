@@ -22,8 +22,13 @@ def store_all(problem: Problem, budget: int | None = None) -> Plan:
     tangent, e.g. a mask built from an activation) are computed in the
     backward from the saved ones, once, at no extra cost.
     """
-    saved = savable(problem) & problem.forward_closure
-    return _within(evaluate(problem, saved, solver="store-all", budget=budget), problem)
+    movable = savable(problem)
+    plan = evaluate(problem, movable & problem.forward_closure, solver="store-all", budget=budget)
+    # Values a forced save (a random op outside the forward closure) makes the
+    # forward run are saved too, rather than run a second time.
+    while extra := (plan.recomputed & movable & set(plan.schedule.forward)) - plan.saved:
+        plan = evaluate(problem, plan.saved | extra, solver="store-all", budget=budget)
+    return _within(plan, problem)
 
 
 def recompute_all(problem: Problem, budget: int | None = None) -> Plan:
@@ -61,7 +66,7 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
 
 def _drop_saves(problem: Problem, target: int) -> list[Plan]:
     """Plans from store-all, each saving one value fewer, until the peak fits ``target``."""
-    plan = evaluate(problem, savable(problem) & problem.forward_closure, solver="greedy")
+    plan = evaluate(problem, store_all(problem).saved, solver="greedy")
     plans = [plan]
     saved = set(plan.saved)
     while plan.peak > target:

@@ -7,7 +7,9 @@ the simulator and the graph rewrite all see the same programs:
 - the backward runs the backward nodes the gradients need, in problem order;
 - a forward value the backward reads that is not saved is recomputed, placed
   just before its first reader, after the values it is computed from;
-- a value that may not be recomputed (random, side effects) is saved;
+- a value that may not be recomputed (random, side effects) is saved, and so
+  is one whose storage stays allocated anyway (a caller-held output, the base
+  of a saved view);
 - the forward runs what its outputs and the saved values need.
 """
 
@@ -57,6 +59,11 @@ def schedule(problem: Problem, saved: Iterable[int]) -> Schedule:
 
     core, reads = _backward_core(problem)
     recomputed, saved_eff = _split_reads(problem, reads, requested)
+    # A value whose storage stays allocated anyway (held by the caller, or the
+    # base of a saved view) is handed over, never rebuilt into a second buffer.
+    while free := _already_allocated(problem, recomputed, saved_eff):
+        requested |= free
+        recomputed, saved_eff = _split_reads(problem, reads, requested)
     backward = _place_recomputes(problem, core, recomputed, reads)
     forward = _forward_program(problem, saved_eff)
     in_forward = frozenset(forward)
@@ -104,6 +111,18 @@ def _split_reads(
         recomputed.add(i)
         stack.extend(node.inputs)
     return frozenset(recomputed), frozenset(saved)
+
+
+def _already_allocated(
+    problem: Problem, recomputed: frozenset[int], saved: frozenset[int]
+) -> frozenset[int]:
+    """Recomputed non-views whose own storage is live through the backward."""
+    storage = problem.storage
+    live = {storage[i] for i in (*problem.outputs, *saved)}
+    return frozenset(
+        i for i in recomputed
+        if storage[i] == i and i in live and not problem.outputs_of[i]
+    )
 
 
 def _place_recomputes(

@@ -91,12 +91,17 @@ def _run(
     peak, peak_node, live_at_peak = current, -1, frozenset(live)
     steps = []
     for pos, i in enumerate(order):
+        scratch = nodes[i].workspace
         if nodes[i].output_of is None:  # a multi-output op writes its getitems' bytes
             for new in (i, *parts[i]):
-                if nodes[new].alias_of is None:
+                if nodes[new].alias_of is not None:
+                    continue
+                if new in live:  # a re-run op rewrites an output handed over as saved:
+                    scratch += nodes[new].bytes  # a second buffer, dropped at once
+                else:
                     live[new] = nodes[new].bytes
                     current += nodes[new].bytes
-        during = current + nodes[i].workspace
+        during = current + scratch
         steps.append((phase, i, during))
         if during > peak or peak_node < 0:
             peak, peak_node, live_at_peak = during, i, frozenset(live)

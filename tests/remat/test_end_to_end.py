@@ -82,7 +82,7 @@ def test_training_matches_eager(name, budget):
 def test_batchnorm_statistics_update_once_per_step():
     model, inputs = build("cnn")
     reference = copy.deepcopy(model)
-    optimized = remat.optimize(model, budget=0.5)
+    optimized = remat.optimize(model, budget=0.6)
     train(model, optimized, inputs)
     train(reference, reference, inputs)
     counts = [b for k, b in model.named_buffers() if k.endswith("num_batches_tracked")]
@@ -218,3 +218,18 @@ def test_bad_options_fail_before_tracing():
         remat.optimize(model, budget="lots")
     with pytest.raises(TypeError):
         remat.optimize(lambda x: x, budget=0.5)
+
+
+@pytest.mark.slow
+def test_inductor_compiler_trains_like_eager_under_the_budget():
+    model, inputs = build("mlp", layers=4)
+    reference = copy.deepcopy(model)
+    optimized = remat.optimize(model, budget=0.7, compiler="inductor")
+    losses, grads = train(model, optimized, inputs)
+    ref_losses, ref_grads = train(reference, reference, inputs)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5)
+    model.zero_grad(set_to_none=True)
+    peak = memory.peak(lambda: optimized(*inputs).backward()).peak_bytes
+    assert peak <= 1.10 * optimized.remat.report().graphs[0].budget

@@ -1,0 +1,267 @@
+"""Budgets as users write them, and the errors solve() gives when a plan cannot meet one."""
+
+from __future__ import annotations
+
+import pytest
+from remat.solvers import (
+    SOLVERS,
+    InfeasibleBudget,
+    Plan,
+    format_bytes,
+    min_peak_plan,
+    parse_budget,
+    resolve_budget,
+    solve,
+    store_all,
+)
+from remat.solvers.synthetic import chain
+
+# ----------------------------------------------------------------------------- parse_budget
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (1, 1),
+        (1024, 1024),
+        (10**12, 10**12),
+        ("1073741824", 1073741824),
+        ("512MiB", 512 * 2**20),
+        ("512 MiB", 512 * 2**20),
+        ("  512mib\t", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("2gb", 2 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("0.5KiB", 512),
+        ("3KB", 3000),
+        ("1TiB", 2**40),
+        ("7B", 7),
+        ("7 b", 7),
+    ],
+)
+def test_absolute_budgets_are_int_bytes(text, expected):
+    value = parse_budget(text)
+    assert value == expected
+    assert type(value) is int
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (0.4, 0.4),
+        (1.0, 1.0),
+        (1e-6, 1e-6),
+        ("40%", 0.4),
+        (" 40 % ", 0.4),
+        ("100%", 1.0),
+        ("12.5%", 0.125),
+        ("0.4", 0.4),
+        (" 0.4 ", 0.4),
+        (".25", 0.25),
+        ("1.0", 1.0),
+    ],
+)
+def test_fractions_are_floats(text, expected):
+    value = parse_budget(text)
+    assert type(value) is float
+    assert value == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (0, ValueError, "positive"),
+        (-1, ValueError, "positive"),
+        (-(2**40), ValueError, "positive"),
+        ("0", ValueError, "positive"),
+        ("0MiB", ValueError, "positive"),
+        (1.5, ValueError, r"fraction of the store-all peak in \(0, 1\]"),
+        (0.0, ValueError, "fraction"),
+        (-0.5, ValueError, "fraction"),
+        (float("nan"), ValueError, "fraction"),
+        (float("inf"), ValueError, "fraction"),
+        ("1.5", ValueError, "fraction"),
+        ("150%", ValueError, "fraction"),
+        ("0%", ValueError, "fraction"),
+        ("abc", ValueError, "cannot read budget 'abc'"),
+        ("", ValueError, "cannot read budget"),
+        ("-5MiB", ValueError, "cannot read budget"),
+        ("1e9", ValueError, "cannot read budget"),
+        ("10XB", ValueError, "unknown unit 'XB'"),
+        ("3 parsecs", ValueError, "unknown unit 'parsecs'"),
+        (True, TypeError, "budget must be"),
+        (False, TypeError, "budget must be"),
+        (None, TypeError, "got NoneType"),
+        ([1], TypeError, "got list"),
+    ],
+)
+def test_bad_budgets_are_clear_errors(bad, error, message):
+    with pytest.raises(error, match=message):
+        parse_budget(bad)
+
+
+def test_unknown_unit_lists_the_units():
+    with pytest.raises(ValueError) as info:
+        parse_budget("10XB")
+    for unit in ("KiB", "MiB", "GiB", "GB"):
+        assert unit in str(info.value)
+
+
+def test_float_budget_error_points_at_bytes():
+    with pytest.raises(ValueError, match="512MiB"):
+        parse_budget(1.5)
+
+
+# ----------------------------------------------------------------------------- resolve_budget
+
+
+@pytest.mark.parametrize(
+    ("budget", "store_all_peak", "expected"),
+    [
+        (0.5, 1000, 500),
+        ("40%", 1000, 400),
+        ("0.4", 1000, 400),
+        (1.0, 999, 999),
+        (0.333, 1000, 333),  # rounds down: never promises more than the fraction
+        (123, 1000, 123),  # absolute stays absolute, below the peak...
+        (5000, 1000, 5000),  # ...or above it
+        ("1KiB", 10, 1024),
+        ("2GB", 1, 2 * 10**9),
+    ],
+)
+def test_resolve_budget(budget, store_all_peak, expected):
+    value = resolve_budget(budget, store_all_peak)
+    assert value == expected
+    assert type(value) is int
+
+
+def test_resolve_budget_rejects_what_parse_rejects():
+    with pytest.raises(ValueError, match="fraction"):
+        resolve_budget(1.5, 1000)
+    with pytest.raises(TypeError):
+        resolve_budget(True, 1000)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_infeasible_budget_names_the_minimum_in_bytes():
+    e = InfeasibleBudget(1000, 123456, 987654, "mlp")
+    assert isinstance(e, ValueError)
+    assert (e.budget, e.minimum, e.store_all) == (1000, 123456, 987654)
+    text = str(e)
+    assert "123456 bytes" in text
+    assert "at least 123456 bytes" in text
+    assert format_bytes(123456) in text
+    assert format_bytes(1000) in text
+    assert "mlp" in text
+    assert "12.5%" in text  # 123456 / 987654 of the store-all peak
+
+
+def test_infeasible_budget_from_solve_names_the_real_minimum():
+    p = chain(4)
+    minimum = min_peak_plan(p).peak
+    with pytest.raises(InfeasibleBudget) as info:
+        solve(p, minimum - 1)
+    e = info.value
+    assert e.minimum == minimum
+    assert e.budget == minimum - 1
+    assert e.store_all == store_all(p).peak
+    assert f"{minimum} bytes" in str(e)
+    # and the minimum it names is really reachable
+    assert solve(p, minimum).peak <= minimum
+
+
+def test_unknown_solver_lists_the_solvers():
+    with pytest.raises(ValueError, match="unknown solver 'nope'") as info:
+        solve(chain(2), 1.0, solver="nope")
+    for name in SOLVERS:
+        assert repr(name) in str(info.value)
+    assert "callable" in str(info.value)
+
+
+def test_fixed_strategy_over_budget_says_it_does_not_adapt():
+    p = chain(3)
+    peak = store_all(p).peak
+    with pytest.raises(ValueError, match="does not adapt to a budget"):
+        solve(p, peak - 1, solver="store-all")
+    assert solve(p, peak, solver="store-all").peak == peak
+
+
+def test_callable_solver_over_an_infeasible_budget():
+    p = chain(4)
+    minimum = min_peak_plan(p).peak
+
+    def lazy(problem, budget):
+        return store_all(problem)
+
+    with pytest.raises(InfeasibleBudget) as info:
+        solve(p, minimum - 1, solver=lazy)
+    assert info.value.minimum == minimum > info.value.budget
+
+
+def test_callable_solver_over_a_feasible_budget_is_caught():
+    # The budget can be met (greedy meets it), but the user's solver ignores it. That
+    # must not pass, and the error must not claim the budget is below the minimum.
+    p = chain(4)
+    minimum = min_peak_plan(p).peak
+    peak = store_all(p).peak
+    assert minimum < peak
+    budget = (minimum + peak) // 2
+
+    def lazy(problem, budget):
+        return store_all(problem)
+
+    with pytest.raises(ValueError) as info:
+        solve(p, budget, solver=lazy)
+    e = info.value
+    if isinstance(e, InfeasibleBudget):
+        assert e.minimum > e.budget, f"InfeasibleBudget names a minimum below the budget: {e}"
+    assert "lazy" in str(e)
+
+
+def test_callable_solver_within_budget_is_returned_as_is():
+    p = chain(3)
+    plan = store_all(p)
+    assert solve(p, plan.peak, solver=lambda problem, budget: plan) is plan
+
+
+def test_callable_returning_a_non_plan_is_a_type_error():
+    with pytest.raises(TypeError, match="returned dict, expected a Plan"):
+        solve(chain(2), 1.0, solver=lambda problem, budget: {"saved": []})
+    with pytest.raises(TypeError, match="returned NoneType"):
+        solve(chain(2), 1.0, solver=lambda problem, budget: None)
+
+
+def test_callable_gets_the_budget_in_bytes():
+    p = chain(3)
+    seen = []
+
+    def spy(problem, budget):
+        seen.append(budget)
+        return store_all(problem)
+
+    peak = store_all(p).peak
+    solve(p, 1.0, solver=spy)
+    solve(p, "100%", solver=spy)
+    solve(p, peak, solver=spy)
+    assert seen == [peak, peak, peak]
+    assert all(type(b) is int for b in seen)
+
+
+def test_full_budget_is_store_all():
+    p = chain(5)
+    plan = solve(p, 1.0)
+    assert isinstance(plan, Plan)
+    assert plan.saved == store_all(p).saved
+    assert plan.recompute_cost == 0
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1024) == "1.0 KiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**20) == "3.0 MiB"
+    assert format_bytes(2**30) == "1.0 GiB"
+    assert format_bytes(5 * 2**40) == "5120.0 GiB"
