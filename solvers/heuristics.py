@@ -26,9 +26,15 @@ def store_all(problem: Problem, budget: int | None = None) -> Plan:
     plan = evaluate(problem, movable & problem.forward_closure, solver="store-all", budget=budget)
     # Values a forced save (a random op outside the forward closure) makes the
     # forward run are saved too, rather than run a second time.
-    while extra := (plan.recomputed & movable & set(plan.schedule.forward)) - plan.saved:
+    while extra := (_run_by_forward(problem, plan) & movable) - plan.saved:
         plan = evaluate(problem, plan.saved | extra, solver="store-all", budget=budget)
     return _within(plan, problem)
+
+
+def _run_by_forward(problem: Problem, plan: Plan) -> frozenset[int]:
+    """Recomputed values the forward computes too (itself, or its multi-output op)."""
+    ran = set(plan.schedule.forward)
+    return frozenset(i for i in plan.recomputed if i in ran or problem.nodes[i].output_of in ran)
 
 
 def recompute_all(problem: Problem, budget: int | None = None) -> Plan:

@@ -120,8 +120,7 @@ def _already_allocated(
     storage = problem.storage
     live = {storage[i] for i in (*problem.outputs, *saved)}
     return frozenset(
-        i for i in recomputed
-        if storage[i] == i and i in live and not problem.outputs_of[i]
+        i for i in recomputed if storage[i] == i and i in live and not problem.outputs_of[i]
     )
 
 

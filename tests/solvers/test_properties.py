@@ -235,11 +235,6 @@ def test_store_all_recomputes_nothing_the_forward_ran(problem):
     full = store_all(problem)
     assert full.recompute_cost >= 0
     assert not (full.recomputed & problem.forward_closure)
-    if set(full.schedule.forward) - problem.forward_closure:
-        # Known bug (test_store_all_saves_what_a_forced_save_makes_the_forward_run in
-        # test_schedule.py): a value store-all must save (random) outside the forward
-        # closure makes the forward run its inputs, which are then recomputed too.
-        return
     assert full.recompute_cost == 0
     assert not (full.recomputed & set(full.schedule.forward))
 
