@@ -55,7 +55,9 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
     """
     start = time.perf_counter()
     target = -1 if budget is None else budget
-    candidates = _drop_saves(problem, target) + checkpoint_sweep(problem)
+    # The same candidates for every budget, so a looser budget never costs more
+    # and a tighter one never peaks higher.
+    candidates = _drop_saves(problem) + checkpoint_sweep(problem)
     feasible = [p for p in candidates if p.peak <= target]
     if not feasible:
         lowest = min(candidates, key=lambda p: (p.peak, p.recompute_cost))
@@ -70,12 +72,12 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
     return _finish(min(feasible, key=lambda p: (p.recompute_cost, p.peak)), budget, start)
 
 
-def _drop_saves(problem: Problem, target: int) -> list[Plan]:
-    """Plans from store-all, each saving one value fewer, until the peak fits ``target``."""
+def _drop_saves(problem: Problem) -> list[Plan]:
+    """Plans from store-all, each saving one value fewer, while that frees bytes at the peak."""
     plan = evaluate(problem, store_all(problem).saved, solver="greedy")
     plans = [plan]
     saved = set(plan.saved)
-    while plan.peak > target:
+    while True:
         victim = _best_victim(problem, plan)
         if victim is None:
             break
