@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
-from remat.solvers import format_bytes, min_peak_plan
 from tabulate import tabulate
 
 import remat
 from remat import examples, memory
+from remat.solvers import format_bytes, min_peak_plan
 
 
 def measure(step, model, repeat: int) -> tuple[int, float]:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from remat.solvers import Node, Problem
 from torch import fx
+
+from remat.solvers import Node, Problem
 
 from ._torch_compat import mutated_inputs
 

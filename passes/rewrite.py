@@ -9,8 +9,9 @@ program's.
 
 from __future__ import annotations
 
-from remat.solvers import Plan
 from torch import fx
+
+from remat.solvers import Plan
 
 from ._torch_compat import extract_fwd_bwd_modules
 from .extract import Extracted, is_resident, is_symbolic

@@ -869,8 +869,9 @@ def profile_seconds(
 _WORKSPACE_OPS = frozenset({"aten::convolution", "aten::convolution_backward"})
 
 
-def workspace_bytes(node: fx.Node, device: str | torch.device,
-                    cache: dict[Any, int] | None = None) -> int:
+def workspace_bytes(
+    node: fx.Node, device: str | torch.device, cache: dict[Any, int] | None = None
+) -> int:
     """Scratch bytes ``node``'s kernel allocates and frees while it runs, measured.
 
     The op runs once on synthetic inputs under ``remat.memory.peak``; what it
@@ -902,8 +903,7 @@ def _signature(tree: Any) -> tuple:
     def describe(a: Any) -> Any:
         v = _val(a) if isinstance(a, fx.Node) else a
         if isinstance(v, torch.Tensor):
-            return (tuple(_hint(s) for s in v.shape), tuple(_hint(s) for s in v.stride()),
-                    v.dtype)
+            return (tuple(_hint(s) for s in v.shape), tuple(_hint(s) for s in v.stride()), v.dtype)
         if isinstance(v, (list, tuple)):
             return tuple(describe(x) for x in v)
         return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from remat.solvers import min_peak_plan
 
 import remat
 from remat import examples, memory
+from remat.solvers import min_peak_plan
 
 # Small sizes: each optimize() traces once (a few seconds on 2 cores).
 SIZES = {
@@ -163,7 +163,7 @@ def test_optimized_module_shares_parameters_and_keys():
 def test_plan_does_not_train_or_touch_buffers():
     model, inputs = build("cnn")
     buffers = {k: b.clone() for k, b in model.named_buffers()}
-    report = remat.plan(model, inputs, budget=0.5)
+    report = remat.plan(model, inputs, budget=0.7)
     for k, b in model.named_buffers():
         assert torch.equal(b, buffers[k]), k
     assert all(p.grad is None for p in model.parameters())

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import remat.solvers
 
 SOLVERS_DIR = Path(remat.solvers.__file__).resolve().parent

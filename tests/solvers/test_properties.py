@@ -19,6 +19,7 @@ import oracle
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
 from remat.solvers import (
     InfeasibleBudget,
     Node,

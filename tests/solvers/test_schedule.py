@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import oracle
 import pytest
+
 from remat.solvers import InvalidPlan, Node, Problem, evaluate, recompute_all, schedule, store_all
 
 

@@ -1,0 +1,692 @@
+"""The ``remat`` command line: look at a model's training graph, plan it, train it.
+
+- ``remat inspect MODEL``: the joint forward+backward graph remat plans, one row per value.
+- ``remat plan MODEL --budget B``: what remat would save and recompute under a budget.
+- ``remat train MODEL``: a few SGD steps with ``remat.optimize`` and eagerly, side by side
+  (measured peak memory, step time, losses).
+
+MODEL is a built-in example (``remat.examples.EXAMPLES``) or ``package.module:factory``;
+``--size key=value`` passes keyword arguments to the factory. Every mistake a user can make
+(bad budget, unknown model or solver, infeasible budget) prints one line on stderr and exits
+with status 2; progress goes to stderr, results to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tabulate import tabulate
+
+from remat.solvers import SOLVERS, InfeasibleBudget, format_bytes, parse_budget
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+# Modules whose ValueErrors are verdicts on the user's request (a fixed solver over the
+# budget, a budget used up by earlier graphs), not bugs; they reach us wrapped by dynamo.
+_USER_ERROR_MODULES = frozenset(
+    {"remat.planner", "remat.solvers.budget", "remat.solvers.heuristics"}
+)
+SORT_KEYS = ("order", "bytes", "time")
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def _budget(text: str) -> str:
+    try:
+        parse_budget(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _size(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip() or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected key=value (e.g. layers=4), got {text!r}")
+    return key.strip(), _literal(value.strip())
+
+
+def _literal(value: str) -> Any:
+    """'4' -> 4, '0.1' -> 0.1, 'true' -> True, 'none' -> None, anything else stays a string."""
+    for convert in (int, float):
+        try:
+            return convert(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _solver_names() -> list[str]:
+    return ["auto", *sorted(name for name in SOLVERS if name != "auto")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from remat import __version__
+    from remat.examples import EXAMPLES
+
+    builtins = ", ".join(sorted(EXAMPLES))
+    parser = _Parser(
+        prog="remat",
+        description="Fit a PyTorch training step in a memory budget by recomputing activations.",
+        epilog="Run 'remat COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"remat {__version__}")
+    model = _Parser(add_help=False)
+    model.add_argument(
+        "model",
+        metavar="MODEL",
+        help=f"a built-in example ({builtins}) or package.module:factory, a function "
+        "returning (model, example_inputs) whose model(*example_inputs) is a scalar loss",
+    )
+    model.add_argument(
+        "--size",
+        metavar="KEY=VALUE",
+        action="append",
+        type=_size,
+        default=[],
+        help="keyword argument for the model factory, repeatable (e.g. --size layers=4); "
+        "ints and floats are parsed, true/false/none too",
+    )
+    model.add_argument(
+        "--device",
+        default=None,
+        help="passed to the factory as device=... (the built-in examples accept it); "
+        "default: the factory's default (CPU for the built-ins)",
+    )
+    model.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default 0)")
+    model.add_argument(
+        "--cost-model",
+        choices=("roofline", "profile"),
+        default="roofline",
+        help="per-op time: roofline estimate from flops and bytes (default) or measured by "
+        "running each op on the device (slower to plan)",
+    )
+    model.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    solver = _Parser(add_help=False)
+    solver.add_argument(
+        "--solver",
+        choices=_solver_names(),
+        default="auto",
+        help="planning algorithm (default auto: the best available)",
+    )
+
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    inspect = sub.add_parser(
+        "inspect",
+        parents=[model],
+        help="table of the joint forward+backward graph: op, shape, bytes, time",
+        description="Trace MODEL's training step and print one row per value of the joint "
+        "graph remat plans (parameters and inputs are resident and not listed).",
+    )
+    inspect.add_argument(
+        "--graph",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="show only graph N (one per graph break; default: all)",
+    )
+    inspect.add_argument(
+        "--limit",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="show only the first K rows of each graph after sorting (default: all)",
+    )
+    inspect.add_argument(
+        "--sort",
+        choices=SORT_KEYS,
+        default="order",
+        help="row order: execution order (default), bytes or estimated time, largest first",
+    )
+    inspect.set_defaults(run=cmd_inspect)
+
+    plan = sub.add_parser(
+        "plan",
+        parents=[model, solver],
+        help="what remat saves and recomputes under a budget, and the predicted peak",
+        description="Trace MODEL's training step, plan it under --budget and print the plan "
+        "of every graph, without training.",
+    )
+    plan.add_argument(
+        "--budget",
+        type=_budget,
+        required=True,
+        metavar="B",
+        help="peak bytes of one training step: '300MiB', '2GB', 1073741824 (bytes), or a "
+        "fraction of the store-all peak: '40%%' or 0.4",
+    )
+    plan.set_defaults(run=cmd_plan)
+
+    train = sub.add_parser(
+        "train",
+        parents=[model, solver],
+        help="train a few steps with remat and eagerly; compare memory, time, losses",
+        description="Train MODEL for --steps SGD steps with remat.optimize under --budget and "
+        "eagerly (a copy of the same model), then measure one forward+backward of each and "
+        "print the plan, the measured peaks, the step times and the losses.",
+    )
+    train.add_argument(
+        "--budget",
+        type=_budget,
+        default="0.5",
+        metavar="B",
+        help="as for 'remat plan' (default 0.5: half the store-all peak)",
+    )
+    train.add_argument("--steps", type=_positive, default=3, help="SGD steps (default 3)")
+    train.add_argument("--lr", type=_float, default=0.01, help="SGD learning rate (default 0.01)")
+    train.add_argument(
+        "--compiler",
+        choices=("eager", "inductor"),
+        default="eager",
+        help="how remat's forward/backward programs run: plain fx (default, the plan's exact "
+        "schedule) or inductor (fused kernels; experimental)",
+    )
+    train.add_argument(
+        "--repeat",
+        type=_positive,
+        default=5,
+        help="timed steps per model for the median step time (default 5)",
+    )
+    train.set_defaults(run=cmd_train)
+    return parser
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``remat`` command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    progress = _Progress(quiet=args.quiet)
+    try:
+        with progress.planner_log():
+            return args.run(args, progress)
+    except UsageError as e:
+        print(f"remat {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("remat: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        user = _user_error(e)
+        if user is None:
+            raise
+        print(f"remat {args.command}: error: {_one_line(str(user))}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+class _Progress:
+    """Progress lines on stderr, including the planner's one line per planned graph."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    def planner_log(self):
+        return _PlannerLog(self)
+
+
+class _PlannerLog(logging.Handler):
+    """While active, the ``remat`` logger's INFO lines (one per planned graph) are progress."""
+
+    def __init__(self, progress: _Progress) -> None:
+        super().__init__(logging.INFO)
+        self.progress = progress
+        self.logger = logging.getLogger("remat")
+        self.old_level = self.logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress(f"  {record.getMessage()}")
+
+    def __enter__(self):
+        if not self.progress.quiet:
+            self.logger.addHandler(self)
+            if not self.logger.isEnabledFor(logging.INFO):
+                self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.old_level)
+
+
+def _user_error(exc: BaseException) -> BaseException | None:
+    """The user's mistake behind ``exc`` (dynamo wraps backend errors), or None for a bug."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for e in chain:
+        if isinstance(e, InfeasibleBudget):
+            return e
+    for e in chain:
+        if isinstance(e, ValueError) and _raised_in(e) in _USER_ERROR_MODULES:
+            return e
+    return None
+
+
+def _raised_in(exc: BaseException) -> str | None:
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _load(args, progress: _Progress):
+    """(model, inputs) for MODEL and --size; UsageError for an unknown model or bad size."""
+    import torch
+
+    from remat import examples
+
+    kwargs = dict(args.size)
+    if args.device is not None:
+        kwargs["device"] = args.device
+    torch.manual_seed(args.seed)
+    described = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    progress(f"loading {args.model}" + (f" ({described})" if described else "") + "...")
+    try:
+        model, inputs = examples.load(args.model, **kwargs)
+    except ValueError as e:
+        raise UsageError(_one_line(str(e))) from None
+    except TypeError as e:  # an unknown --size key, or a factory returning the wrong thing
+        raise UsageError(f"{args.model}: {_one_line(str(e))}") from None
+    return model, inputs
+
+
+def _plan(args, model, inputs, budget, solver: str, progress: _Progress):
+    import remat
+
+    progress(f"tracing {args.model} (dynamo + AOTAutograd) and planning (budget {budget})...")
+    return remat.plan(
+        model, inputs, budget=parse_budget(budget), solver=solver, cost_model=args.cost_model
+    )
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def cmd_inspect(args, progress: _Progress) -> int:
+    model, inputs = _load(args, progress)
+    report = _plan(args, model, inputs, "1.0", "auto", progress)
+    graphs = list(enumerate(report.graphs))
+    if args.graph is not None:
+        if args.graph >= len(graphs):
+            raise UsageError(
+                f"--graph {args.graph}: {args.model} compiled to {len(graphs)} graph(s), "
+                f"numbered 0..{len(graphs) - 1}"
+            )
+        graphs = [graphs[args.graph]]
+    for k, (index, g) in enumerate(graphs):
+        if k:
+            print()
+        print(inspect_table(g, index, len(report.graphs), sort=args.sort, limit=args.limit))
+    return EXIT_OK
+
+
+INSPECT_COLUMNS = (
+    "#",
+    "name",
+    "op",
+    "shape",
+    "dtype",
+    "bytes",
+    "est. time",
+    "phase",
+    "recomputable",
+    "view of",
+)
+
+
+def inspect_table(
+    g, index: int, count: int, *, sort: str = "order", limit: int | None = None
+) -> str:
+    """One graph of ``remat inspect``: heading, node table, summary line."""
+    problem, fx_nodes = g.extracted.problem, g.extracted.fx_nodes
+    nodes = problem.nodes
+    order = list(range(len(nodes)))
+    if sort == "bytes":
+        order.sort(key=lambda i: -nodes[i].bytes)
+    elif sort == "time":
+        order.sort(key=lambda i: -nodes[i].cost)
+    shown = order if limit is None else order[:limit]
+    # Scratch memory of kernels (convolutions): a column only where some node has any.
+    workspace = any(getattr(n, "workspace", 0) for n in nodes)
+    rows = []
+    for i in shown:
+        node, fx_node = nodes[i], fx_nodes[i]
+        shape, dtype = _shape_dtype(fx_node.meta.get("val"))
+        row = [
+            i,
+            node.name,
+            _op_label(node, fx_node, nodes),
+            shape,
+            dtype,
+            format_bytes(node.bytes),
+            format_seconds(node.cost),
+            node.phase,
+            "yes" if node.recomputable else "no",
+            nodes[node.alias_of].name if node.alias_of is not None else "",
+        ]
+        if workspace:
+            row.append(format_bytes(node.workspace) if node.workspace else "")
+        rows.append(row)
+    headers = INSPECT_COLUMNS + (("workspace",) if workspace else ())
+    n_fwd = sum(1 for n in nodes if n.phase == "fwd")
+    act = sum(n.bytes for n in nodes if n.phase == "fwd")
+    heading = f"{g.name} (graph {index + 1} of {count}, sorted by {sort})"
+    summary = (
+        f"{g.name}: {len(nodes)} nodes ({n_fwd} fwd, {len(nodes) - n_fwd} bwd), "
+        f"activation bytes {format_bytes(act)} ({act} B, all forward values), "
+        f"resident {format_bytes(problem.resident_bytes)} (parameters and inputs), "
+        f"store-all peak {format_bytes(g.store_all.peak)}"
+    )
+    if len(shown) < len(nodes):
+        summary += f"; showing {len(shown)} of {len(nodes)} rows"
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    return f"{heading}\n{table}\n{summary}"
+
+
+def _op_label(node, fx_node, nodes) -> str:
+    if node.output_of is not None and len(fx_node.args) > 1:
+        return f"{nodes[node.output_of].name}[{fx_node.args[1]}]"
+    return node.op.removesuffix(".default")
+
+
+def _shape_dtype(val: Any) -> tuple[str, str]:
+    import torch
+
+    if isinstance(val, torch.Tensor):
+        return "[" + ", ".join(str(d) for d in val.shape) + "]", str(val.dtype).removeprefix(
+            "torch."
+        )
+    if isinstance(val, (tuple, list)):
+        parts = [_shape_dtype(v) for v in val]
+        dtypes = sorted({d for _, d in parts if d})
+        return "(" + ", ".join(s or "-" for s, _ in parts) + ")", "/".join(dtypes)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "", type(val).__name__
+    return "", ""
+
+
+def format_seconds(s: float) -> str:
+    """Seconds in the unit that reads best: '7.6 µs', '12.3 ms', '1.20 s'."""
+    if s == 0:
+        return "0"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def cmd_plan(args, progress: _Progress) -> int:
+    model, inputs = _load(args, progress)
+    report = _plan(args, model, inputs, args.budget, args.solver, progress)
+    print(plan_table(report, args.budget))
+    return EXIT_OK
+
+
+def plan_table(report, budget: str) -> str:
+    """``remat plan``'s output: one column per graph, then a summary line."""
+    if not report.graphs:
+        return "no graph was compiled (does the model's forward run any torch op?)"
+    metrics: list[tuple[str, Callable]] = [
+        ("nodes", lambda g: len(g.extracted.problem)),
+        ("budget", lambda g: format_bytes(g.budget)),
+        ("saved values", lambda g: len(g.plan.saved)),
+        ("saved bytes", lambda g: format_bytes(g.saved_bytes)),
+        ("recomputed values", lambda g: len(g.plan.recomputed)),
+        ("recomputed bytes", lambda g: format_bytes(_recomputed_bytes(g))),
+        ("predicted peak", lambda g: format_bytes(g.plan.peak)),
+        ("store-all peak", lambda g: format_bytes(g.store_all.peak)),
+        ("peak / store-all", lambda g: f"{g.plan.peak / max(g.store_all.peak, 1):.1%}"),
+        ("recompute (est.)", lambda g: format_seconds(g.plan.recompute_cost)),
+        ("recompute overhead", lambda g: f"+{_overhead(g):.1%} of forward"),
+        ("solver", lambda g: g.plan.solver),
+        ("status", lambda g: g.plan.status),
+        ("solve time", lambda g: f"{g.plan.solve_seconds:.3f} s"),
+        ("plan time", lambda g: f"{g.plan_seconds:.3f} s"),
+    ]
+    rows = [(label, *(str(f(g)) for g in report.graphs)) for label, f in metrics]
+    headers = ("", *(g.name for g in report.graphs))
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    predicted, store_all = report.predicted_peak, report.store_all_peak
+    summary = (
+        f"budget {budget}: predicted peak {format_bytes(predicted)} ({predicted} B), "
+        f"{predicted / max(store_all, 1):.1%} of the store-all peak {format_bytes(store_all)} "
+        f"({store_all} B)"
+    )
+    if len(report.graphs) > 1:
+        summary += f"; {len(report.graphs)} graphs (graph breaks), planned one after another"
+    return f"{table}\n{summary}"
+
+
+def _recomputed_bytes(g) -> int:
+    problem = g.extracted.problem
+    return sum(problem.nodes[i].bytes for i in g.plan.recomputed)
+
+
+def _overhead(g) -> float:
+    """Recompute cost as a fraction of the forward's estimated time (as ``PlanReport``)."""
+    problem = g.extracted.problem
+    fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
+    return g.plan.recompute_cost / max(fwd_cost, 1e-12)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def cmd_train(args, progress: _Progress) -> int:
+    import torch
+
+    import remat
+    from remat import costs, memory
+
+    model, inputs = _load(args, progress)
+    eager = copy.deepcopy(model)
+    try:
+        optimized = remat.optimize(
+            model,
+            parse_budget(args.budget),
+            solver=args.solver,
+            compiler=args.compiler,
+            cost_model=args.cost_model,
+        )
+    except ValueError as e:
+        raise UsageError(_one_line(str(e))) from None
+    runs = {
+        "eager": (eager, torch.optim.SGD(eager.parameters(), lr=args.lr)),
+        "remat": (optimized, torch.optim.SGD(model.parameters(), lr=args.lr)),
+    }
+    device = _device_of(model)
+
+    def forward_backward(m):
+        loss = m(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    def step(m, opt):
+        opt.zero_grad(set_to_none=True)
+        loss = forward_backward(m)
+        opt.step()
+        return loss
+
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(args.steps):
+        for name, (m, opt) in runs.items():
+            if name == "remat" and i == 0:
+                progress(
+                    f"compiling {args.model} with remat (trace, plan under budget "
+                    f"{args.budget}, rewrite)..."
+                )
+            torch.manual_seed(args.seed + i)  # same dropout masks for both, step by step
+            losses[name].append(step(m, opt).item())
+        progress(
+            f"step {i + 1}/{args.steps}: loss eager {losses['eager'][-1]:.6f}, "
+            f"remat {losses['remat'][-1]:.6f}"
+        )
+
+    report = optimized.remat.report()
+    peaks, times = {}, {}
+    for name, (m, opt) in runs.items():
+        progress(
+            f"measuring {name}: peak memory of one forward+backward, then "
+            f"{args.repeat} timed steps..."
+        )
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(args.seed)
+        peaks[name] = memory.peak(forward_backward, m, device=device).peak_bytes
+        opt.zero_grad(set_to_none=True)
+        times[name] = memory.step_time(
+            lambda m=m, opt=opt: step(m, opt), warmup=1, repeat=args.repeat, device=device
+        )
+    random = any(costs.is_random(n) for g in report.graphs for n in g.extracted.fx_nodes)
+
+    print(
+        f"plan ({args.model}, budget {args.budget}, solver {args.solver}, compiler {args.compiler})"
+    )
+    print(plan_table(report, args.budget))
+    print()
+    print(train_table(args, report, peaks, times, losses))
+    print()
+    verdict, ok = _loss_verdict(losses, random)
+    ratio = peaks["remat"] / max(peaks["eager"], 1)
+    budgets = sorted({g.budget for g in report.graphs})
+    within = all(peaks["remat"] <= b for b in budgets) if len(budgets) == 1 else None
+    print(
+        f"measured peak: remat {format_bytes(peaks['remat'])} = {ratio:.1%} of eager's "
+        f"{format_bytes(peaks['eager'])}"
+        + ("" if within is None else f"; within the budget: {'yes' if within else 'NO'}")
+    )
+    print(f"step time: remat {times['remat'] / max(times['eager'], 1e-12):.2f}x eager's")
+    print(verdict)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def train_table(args, report, peaks, times, losses) -> str:
+    budgets = sorted({g.budget for g in report.graphs})
+    budget = f"{args.budget} = {format_bytes(budgets[0])}" if len(budgets) == 1 else args.budget
+    rows = [
+        (
+            "peak memory (measured, fwd+bwd)",
+            format_bytes(peaks["eager"]),
+            format_bytes(peaks["remat"]),
+        ),
+        (
+            "predicted peak",
+            f"{format_bytes(report.store_all_peak)} (store-all)",
+            format_bytes(report.predicted_peak),
+        ),
+        ("budget", "-", budget),
+        (
+            f"step time (median of {args.repeat})",
+            format_seconds(times["eager"]),
+            format_seconds(times["remat"]),
+        ),
+    ]
+    for i, (a, b) in enumerate(zip(losses["eager"], losses["remat"], strict=True)):
+        rows.append((f"loss step {i + 1}", f"{a:.6f}", f"{b:.6f}"))
+    return tabulate(rows, headers=("", "eager", "remat"), tablefmt="simple", disable_numparse=True)
+
+
+def _loss_verdict(losses: dict[str, list[float]], random: bool) -> tuple[str, bool]:
+    diffs = [abs(a - b) for a, b in zip(losses["eager"], losses["remat"], strict=True)]
+    worst = max(diffs, default=0.0)
+    scale = max((abs(a) for a in losses["eager"]), default=1.0)
+    if worst == 0:
+        return "losses: remat's equal eager's exactly, step by step.", True
+    if worst <= 1e-5 * max(scale, 1.0):
+        return (
+            f"losses: remat's match eager's (max difference {worst:.2g}, float32 "
+            "rounding from a different op order).",
+            True,
+        )
+    if random:
+        return (
+            f"losses: differ by up to {worst:.2g}; the model has random ops (dropout), "
+            "whose masks are drawn differently by the compiled program, so only a model "
+            "without dropout is expected to match.",
+            True,
+        )
+    return (
+        f"losses: remat's DIFFER from eager's by up to {worst:.2g} although the model has "
+        "no random op: this is a remat bug, please report it.",
+        False,
+    )
+
+
+def _device_of(model) -> Any:
+    import torch
+
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,272 @@
+"""The ``remat`` command line, run in-process on a tiny MLP (one trace is 1-2 s on 2 cores)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from remat.cli import INSPECT_COLUMNS, main
+
+# Small enough to trace in a second or two, big enough that half the store-all peak is
+# feasible (the smallest peak remat reaches here is ~48% of store-all).
+MLP = ["mlp", "--size", "layers=8", "--size", "width=32", "--size", "batch=256"]
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def parse_bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * UNITS[unit]
+
+
+def key_values(out: str) -> dict[str, str]:
+    """Rows of a two-column table printed as 'label   value' (two or more spaces apart)."""
+    rows = {}
+    for line in out.splitlines():
+        parts = re.split(r"\s{2,}", line.strip())
+        if len(parts) >= 2:
+            rows[parts[0]] = parts[1:]
+    return rows
+
+
+def assert_usage_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one clear line, no traceback
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def test_inspect_table_sorted_by_bytes(capsys):
+    code, out, err = run(capsys, "inspect", *MLP, "--sort", "bytes", "--limit", "6")
+    assert code == 0, err
+    assert "tracing mlp" in err  # progress goes to stderr
+    lines = out.splitlines()
+    header = lines[1].split()
+    for column in INSPECT_COLUMNS:
+        assert column.split()[0] in header
+    rows = [line for line in lines[3:] if re.match(r"^\d+\s", line)]
+    assert len(rows) == 6
+    sizes = [parse_bytes(" ".join(re.split(r"\s{2,}", row)[5].split()[:2])) for row in rows]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 256 * 32 * 4
+    assert "[256, 32]" in rows[0] and "float32" in rows[0]
+    summary = re.search(
+        r"graph0: (\d+) nodes \((\d+) fwd, (\d+) bwd\), activation bytes .* \((\d+) B", out
+    )
+    assert summary, out
+    total, fwd, bwd, act = map(int, summary.groups())
+    assert total == fwd + bwd and total > 6 and act >= 16 * 256 * 32 * 4
+    assert f"showing 6 of {total} rows" in out
+
+
+def test_inspect_lists_every_node_in_order_and_views(capsys):
+    code, out, _ = run(capsys, "inspect", *MLP, "-q")
+    assert code == 0
+    indices = [int(m.group(1)) for m in re.finditer(r"^(\d+)\s", out, re.MULTILINE)]
+    total = int(re.search(r"graph0: (\d+) nodes", out).group(1))
+    assert indices == list(range(total))
+    assert re.search(r"\bt_\d+\s.*\bt\b.*(fwd|bwd)\s+yes\s+\S+", out)  # a transpose is a view
+
+
+def test_inspect_bad_graph_index(capsys):
+    code, _, err = run(capsys, "inspect", *MLP, "--graph", "3", "-q")
+    assert_usage_error(code, err, "--graph 3", "1 graph")
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("budget", ["60%", "0.6"])
+def test_plan_fraction(capsys, budget):
+    code, out, err = run(capsys, "plan", *MLP, "--budget", budget)
+    assert code == 0, err
+    rows = key_values(out)
+    predicted = parse_bytes(rows["predicted peak"][0])
+    store_all = parse_bytes(rows["store-all peak"][0])
+    limit = parse_bytes(rows["budget"][0])
+    assert predicted <= limit <= 0.6 * store_all + 1024
+    assert int(rows["saved values"][0]) > 0 and int(rows["recomputed values"][0]) > 0
+    assert parse_bytes(rows["recomputed bytes"][0]) > 0
+    assert float(rows["peak / store-all"][0].rstrip("%")) <= 60.0
+    assert re.fullmatch(r"\+\d+\.\d% of forward", rows["recompute overhead"][0])
+    assert rows["solver"][0] == "greedy" and rows["status"][0] in ("heuristic", "optimal")
+    assert float(rows["solve time"][0].split()[0]) >= 0
+    assert re.search(rf"budget {re.escape(budget)}: predicted peak .* \((\d+) B\)", out)
+
+
+def test_plan_absolute_budget_and_store_all(capsys):
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "1MiB", "--solver", "store-all")
+    assert code == 0, err
+    rows = key_values(out)
+    assert rows["budget"][0] == "1.0 MiB"
+    assert rows["recomputed bytes"][0] == "0 B" or rows["solver"][0] == "store-all"
+    assert rows["predicted peak"][0] == rows["store-all peak"][0]
+
+
+def test_plan_infeasible_budget_names_the_minimum(capsys):
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "10%")
+    assert_usage_error(code, err.strip().splitlines()[-1], "smallest peak", "at least")
+    assert "Traceback" not in err and out == ""
+
+
+def test_plan_fixed_solver_over_budget(capsys):
+    code, _, err = run(capsys, "plan", *MLP, "--budget", "50%", "--solver", "store-all", "-q")
+    assert_usage_error(code, err, "store-all", "does not adapt")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["plan", *MLP, "--budget", "lots"], ["--budget", "cannot read budget"]),
+        (["plan", *MLP, "--budget", "150%"], ["--budget", "fraction"]),
+        (["plan", *MLP, "--budget", "12 parsecs"], ["unknown unit"]),
+        (["plan", *MLP, "--budget", "0.5", "--solver", "magic"], ["invalid choice", "greedy"]),
+        (["plan", *MLP], ["--budget"]),
+        (["train", *MLP, "--steps", "0"], ["--steps", "positive"]),
+        (["inspect", *MLP, "--sort", "size"], ["invalid choice"]),
+        (["inspect", "mlp", "--size", "layers"], ["key=value"]),
+        (["frobnicate"], ["invalid choice"]),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, needles):
+    code, out, err = run(capsys, *argv)
+    assert_usage_error(code, err, *needles)
+    assert out == ""
+
+
+def test_unknown_model_lists_builtins(capsys):
+    code, _, err = run(capsys, "inspect", "resnet9000", "-q")
+    assert_usage_error(code, err, "unknown model 'resnet9000'", "cnn, gpt, mlp, unet")
+
+
+def test_unknown_size_key(capsys):
+    code, _, err = run(capsys, "plan", "mlp", "--size", "depth=3", "--budget", "0.5", "-q")
+    assert_usage_error(code, err, "depth")
+
+
+def test_unimportable_factory(capsys):
+    code, _, err = run(capsys, "inspect", "no_such_module_xyz:make", "-q")
+    assert_usage_error(code, err, "cannot import module 'no_such_module_xyz'")
+
+
+def test_user_factory_module(capsys, tmp_path, monkeypatch):
+    (tmp_path / "tiny_models.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            class Net(torch.nn.Module):
+                def __init__(self, width):
+                    super().__init__()
+                    self.a = torch.nn.Linear(width, width)
+                    self.b = torch.nn.Linear(width, 1)
+
+                def forward(self, x):
+                    return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+            def make(width=8, batch=4):
+                return Net(width), (torch.randn(batch, width),)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "inspect", "tiny_models:make", "--size", "width=16", "-q")
+    assert code == 0, err
+    assert "tanh" in out and "[4, 16]" in out
+    assert err == ""  # --quiet
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def test_train_eager_vs_remat(capsys):
+    code, out, err = run(capsys, "train", *MLP, "--budget", "60%", "--steps", "2", "--repeat", "2")
+    assert code == 0, err
+    assert "step 2/2" in err and "compiling mlp" in err
+    assert "predicted peak" in out and "recompute overhead" in out  # the plan comes first
+    rows = key_values(out)
+    eager_peak, remat_peak = map(parse_bytes, rows["peak memory (measured, fwd+bwd)"])
+    assert 0 < remat_peak < eager_peak
+    predicted = parse_bytes(rows["predicted peak"][1])
+    assert remat_peak <= 1.05 * predicted + 4096
+    assert rows["budget"][1].startswith("60% = ")
+    times = rows["step time (median of 2)"]
+    assert all(re.fullmatch(r"[\d.]+ (s|ms|µs)", t) for t in times)
+    for step in (1, 2):
+        eager_loss, remat_loss = map(float, rows[f"loss step {step}"])
+        assert eager_loss == pytest.approx(remat_loss, rel=1e-5)
+    assert "within the budget: yes" in out
+    assert re.search(r"losses: remat's (match|equal) eager's", out)
+
+
+def test_train_infeasible_budget(capsys):
+    code, out, err = run(capsys, "train", *MLP, "--budget", "5%", "--steps", "1", "-q")
+    assert_usage_error(code, err, "smallest peak")
+
+
+@pytest.mark.slow
+def test_train_gpt_with_dropout(capsys):
+    gpt = ["gpt", "--size", "layers=2", "--size", "d_model=32", "--size", "seq=32"]
+    code, out, err = run(capsys, "train", *gpt, "--steps", "2", "--repeat", "1", "--budget", "0.75")
+    assert code == 0, err
+    rows = key_values(out)
+    eager_peak, remat_peak = map(parse_bytes, rows["peak memory (measured, fwd+bwd)"])
+    assert remat_peak < eager_peak
+    assert "within the budget: yes" in out
+    # dropout masks: either replayed identically or reported as the reason for a difference
+    assert re.search(r"losses: (remat's (match|equal) eager's|differ .* random ops)", out)
+
+
+def test_train_passes_compiler_and_solver(capsys, monkeypatch):
+    import remat
+
+    seen = {}
+    real = remat.optimize
+
+    def spy(model, budget, **kwargs):
+        seen.update(kwargs, budget=budget)
+        return real(model, budget, **{**kwargs, "compiler": "eager"})
+
+    monkeypatch.setattr(remat, "optimize", spy)
+    argv = ["train", *MLP, "--steps", "1", "--repeat", "1", "--budget", "300KiB"]
+    code, out, err = run(capsys, *argv, "--compiler", "inductor", "--solver", "greedy", "-q")
+    assert code == 0, err
+    assert seen == {
+        "budget": 300 * 1024,
+        "solver": "greedy",
+        "compiler": "inductor",
+        "cost_model": "roofline",
+    }
+    assert "compiler inductor" in out
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def test_python_dash_m_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    for command in ("inspect", "plan", "train"):
+        assert command in result.stdout
+    assert result.stdout.startswith("usage: remat")
+
+
+def test_help_and_version_in_process(capsys):
+    code, out, _ = run(capsys, "train", "--help")
+    assert code == 0 and "--budget" in out and "--compiler" in out
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("remat ")
