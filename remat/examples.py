@@ -15,6 +15,11 @@ updating its running statistics), because that is the step remat rewrites.
   Large attention temporaries, views, and a tied weight.
 - ``unet``: a small U-Net with long skip connections by concatenation. A DAG, not a chain:
   early activations stay alive until the matching decoder level.
+- ``hf-gpt2``, ``hf-llama``: Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` built
+  from small configs with random weights (nothing is downloaded), so benchmarks also run on
+  code nobody here wrote. They need the ``transformers`` extra (``pip install -e
+  '.[transformers]'``). Their ``blocks`` are the HF decoder layers, which take extra keyword
+  arguments (masks, position embeddings) besides the hidden states.
 
 Every factory takes its sizes as keyword arguments with small defaults (one eager forward and
 backward well under a second on two CPU cores), ``seed`` (weights and inputs are a function of
@@ -40,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EXAMPLES", "cnn", "gpt", "load", "mlp", "unet"]
+__all__ = ["EXAMPLES", "cnn", "gpt", "hf_gpt2", "hf_llama", "load", "mlp", "unet"]
 
 
 def _build(seed: int, device: str | torch.device, make: Callable[[torch.Generator], tuple]):
@@ -366,6 +371,124 @@ def unet(
     return _build(seed, device, make)
 
 
+# ----------------------------------------------------------------------------- transformers
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "the hf-gpt2 and hf-llama examples need Hugging Face transformers: install the "
+            "'transformers' extra (pip install -e '.[transformers]' or pip install transformers)"
+        ) from e
+    return transformers
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM whose forward returns the loss of ``labels = input_ids``
+    (HF shifts the labels by one token inside). ``blocks`` is the model's list of decoder
+    layers (a property, so parameters and ``state_dict`` keys appear once)."""
+
+    def __init__(self, lm: nn.Module, blocks_path: str):
+        super().__init__()
+        self.lm = lm
+        self._blocks_path = blocks_path
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        obj = self.lm
+        for part in self._blocks_path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+
+def _hf_config(transformers, name: str, vocab: int, attn: str, **fields):
+    config = getattr(transformers, name)(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0, use_cache=False, **fields
+    )
+    config._attn_implementation = attn  # "sdpa" (HF's default) or "eager" (op by op)
+    config.loss_type = "ForCausalLM"
+    return config
+
+
+def hf_gpt2(
+    layers: int = 2,
+    d_model: int = 64,
+    heads: int = 4,
+    seq: int = 64,
+    batch: int = 2,
+    vocab: int = 512,
+    dropout: float = 0.1,
+    attn: str = "sdpa",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Hugging Face GPT-2 (``GPT2LMHeadModel``, tied lm_head) from a ``GPT2Config`` with
+    random weights; input ``(input_ids[batch, seq] int64,)``. Needs ``transformers``."""
+    transformers = _transformers()
+
+    def make(gen):
+        config = _hf_config(
+            transformers,
+            "GPT2Config",
+            vocab,
+            attn,
+            n_layer=layers,
+            n_embd=d_model,
+            n_head=heads,
+            n_positions=seq,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+        model = HFCausalLM(transformers.GPT2LMHeadModel(config), "transformer.h")
+        return model, (torch.randint(0, vocab, (batch, seq), generator=gen),)
+
+    return _build(seed, device, make)
+
+
+def hf_llama(
+    layers: int = 2,
+    d_model: int = 64,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    seq: int = 64,
+    batch: int = 2,
+    vocab: int = 512,
+    attn: str = "sdpa",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Hugging Face Llama (``LlamaForCausalLM``: RMSNorm, rotary embeddings, SwiGLU MLP, no
+    dropout) from a ``LlamaConfig`` with random weights; ``ffn`` defaults to about
+    8/3 * d_model, ``kv_heads`` to ``heads``. Input ``(input_ids[batch, seq] int64,)``.
+    Needs ``transformers``."""
+    transformers = _transformers()
+
+    def make(gen):
+        config = _hf_config(
+            transformers,
+            "LlamaConfig",
+            vocab,
+            attn,
+            hidden_size=d_model,
+            intermediate_size=ffn or 8 * d_model // 3,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads or heads,
+            max_position_embeddings=seq,
+        )
+        model = HFCausalLM(transformers.LlamaForCausalLM(config), "model.layers")
+        return model, (torch.randint(0, vocab, (batch, seq), generator=gen),)
+
+    return _build(seed, device, make)
+
+
 # ----------------------------------------------------------------------------- registry
 
 EXAMPLES: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
@@ -373,6 +496,8 @@ EXAMPLES: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
     "cnn": cnn,
     "gpt": gpt,
     "unet": unet,
+    "hf-gpt2": hf_gpt2,
+    "hf-llama": hf_llama,
 }
 
 
