@@ -233,3 +233,19 @@ def test_inductor_compiler_trains_like_eager_under_the_budget():
     model.zero_grad(set_to_none=True)
     peak = memory.peak(lambda: optimized(*inputs).backward()).peak_bytes
     assert peak <= 1.10 * optimized.remat.report().graphs[0].budget
+
+
+def test_profile_cost_model_plans_with_measured_times():
+    model, inputs = build("mlp", layers=3)
+    reference = copy.deepcopy(model)
+    optimized = remat.optimize(model, budget=0.8, cost_model="profile")
+    optimized(*inputs).backward()
+    reference(*inputs).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    problem = optimized.remat.report().graphs[0].extracted.problem
+    matmuls = [n for n in problem.nodes if n.op in ("addmm.default", "mm.default")]
+    assert matmuls and all(n.cost > 0 for n in matmuls)
+    estimated = remat.plan(reference, inputs, budget=0.8).graphs[0].extracted.problem
+    assert [n.name for n in estimated.nodes] == [n.name for n in problem.nodes]
+    assert [n.cost for n in estimated.nodes] != [n.cost for n in problem.nodes]
