@@ -86,6 +86,17 @@ def main(argv=None) -> int:
         )
         torch._dynamo.reset()
 
+    # remat at 1.0 runs the same compiled programs with nothing recomputed: the
+    # difference to it is what recomputation costs, apart from compiling at all.
+    tokens = args.budgets.split(",")
+    store_all = rows[1 + tokens.index("1.0")]["time_s"] if "1.0" in tokens else None
+    for r in rows:
+        r["vs_store_all"] = (
+            "-"
+            if store_all is None or r["run"] == "eager"
+            else (f"{r['time_s'] / store_all - 1:+.1%}")
+        )
+
     def show(v):
         return format_bytes(v) if isinstance(v, int) else v
 

@@ -392,6 +392,9 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, lm: nn.Module, blocks_path: str):
         super().__init__()
+        # GPT2LMHeadModel has no loss type of its own: HF would warn at the first call, and
+        # that warning is a graph break, splitting the step in two graphs.
+        lm.loss_type = "ForCausalLM"
         self.lm = lm
         self._blocks_path = blocks_path
 
@@ -411,7 +414,6 @@ def _hf_config(transformers, name: str, vocab: int, attn: str, **fields):
         vocab_size=vocab, bos_token_id=0, eos_token_id=0, use_cache=False, **fields
     )
     config._attn_implementation = attn  # "sdpa" (HF's default) or "eager" (op by op)
-    config.loss_type = "ForCausalLM"
     return config
 
 
