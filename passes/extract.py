@@ -34,10 +34,6 @@ class Extracted:
 
     problem: Problem
     fx_nodes: tuple[fx.Node, ...]
-    forward_outputs: tuple[fx.Node | None, ...]
-
-    def index(self) -> dict[fx.Node, int]:
-        return {n: i for i, n in enumerate(self.fx_nodes)}
 
 
 def is_tangent(node: fx.Node) -> bool:
@@ -125,7 +121,7 @@ def extract(
     problem = Problem(
         tuple(nodes), outputs=outputs, grads=grads, resident_bytes=resident, name=name
     )
-    return Extracted(problem, tuple(kept), tuple(fwd_outs))
+    return Extracted(problem, tuple(kept))
 
 
 def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:

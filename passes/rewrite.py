@@ -50,7 +50,8 @@ def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
     """Move ``gm``'s computing nodes into ``order``; fail loudly if the sets differ."""
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes if n.op not in ("placeholder", "output")}
-    wanted = [name for name in order if name in by_name or not _is_placeholder(graph, name)]
+    inputs = {n.name for n in graph.nodes if n.op == "placeholder"}
+    wanted = [name for name in order if name not in inputs]
     missing = [name for name in wanted if name not in by_name]
     extra = sorted(set(by_name) - set(wanted))
     if missing or extra:
@@ -69,7 +70,3 @@ def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
         cursor = node
     graph.lint()
     gm.recompile()
-
-
-def _is_placeholder(graph: fx.Graph, name: str) -> bool:
-    return any(n.op == "placeholder" and n.name == name for n in graph.nodes)

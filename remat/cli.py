@@ -4,6 +4,9 @@
 - ``remat plan MODEL --budget B``: what remat would save and recompute under a budget.
 - ``remat train MODEL``: a few SGD steps with ``remat.optimize`` and eagerly, side by side
   (measured peak memory, step time, losses).
+- ``remat bench MODEL``: measured peak memory and step time of eager, checkpointing per block,
+  torch's min-cut partitioner and remat, at a list of budgets (``remat.bench``).
+- ``remat pareto MODEL``: remat's measured memory/time frontier, store-all down to its minimum.
 
 MODEL is a built-in example (``remat.examples.EXAMPLES``) or ``package.module:factory``;
 ``--size key=value`` passes keyword arguments to the factory. Every mistake a user can make
@@ -236,7 +239,120 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed steps per model for the median step time (default 5)",
     )
     train.set_defaults(run=cmd_train)
+
+    output = _Parser(add_help=False)
+    output.add_argument(
+        "--compiler",
+        choices=("eager", "inductor"),
+        default="eager",
+        help="compiler of the compiled programs, for torch's partitioner and remat alike: "
+        "plain fx (default) or inductor",
+    )
+    output.add_argument(
+        "--repeat",
+        type=_positive,
+        default=5,
+        help="timed steps per configuration, interleaved across configurations (default 5)",
+    )
+    output.add_argument(
+        "--threads",
+        type=_non_negative,
+        default=1,
+        help="torch.set_num_threads on CPU while measuring (default 1, for stable timings; "
+        "0 leaves torch's default)",
+    )
+    output.add_argument("--csv", metavar="FILE", help="also write the rows as CSV")
+    output.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    output.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also plot peak memory against step time (needs matplotlib: the 'plot' extra)",
+    )
+
+    bench = sub.add_parser(
+        "bench",
+        parents=[model, output],
+        help="measure eager, checkpoint per block, torch's min-cut partitioner and remat",
+        description="Measure one training step (forward+backward) of MODEL: eager, "
+        "torch.utils.checkpoint around each of model.blocks, torch's "
+        "min_cut_rematerialization_partition at activation_memory_budget = each budget, and "
+        "remat at each budget with each solver. Per configuration: measured peak memory, "
+        "median step time, overhead vs eager, compile time; for remat also the predicted "
+        "peak and the solver's gap. torch's budget is a fraction of the bytes it saves, "
+        "remat's a fraction of the store-all peak: compare the curves, not equal budgets.",
+    )
+    bench.add_argument(
+        "--budgets",
+        type=_budget_list,
+        default="1,0.7,0.5,0.3,0.1",
+        metavar="B,B,...",
+        help="comma-separated fractions in [0, 1] (default 1,0.7,0.5,0.3,0.1); absolute "
+        "budgets such as 64MiB apply to remat only",
+    )
+    bench.add_argument(
+        "--solvers",
+        type=_solver_list,
+        default="auto",
+        metavar="S,S,...",
+        help=f"remat solvers, comma-separated, from {', '.join(_solver_names())} (default auto)",
+    )
+    bench.set_defaults(run=cmd_bench)
+
+    pareto = sub.add_parser(
+        "pareto",
+        parents=[model, solver, output],
+        help="remat's measured memory/time frontier, from store-all down to its minimum",
+        description="Trace MODEL once, find remat's store-all peak and the smallest peak it "
+        "can reach, then measure remat at --points budgets evenly spaced between them (and "
+        "eager for reference) and print the frontier.",
+    )
+    pareto.add_argument(
+        "--points",
+        type=_points,
+        default=12,
+        help="budgets from store-all down to the minimum, both included (default 12)",
+    )
+    pareto.set_defaults(run=cmd_pareto)
     return parser
+
+
+def _budget_list(text: str) -> list[float | int]:
+    values: list[float | int] = []
+    for token in text.split(","):
+        token = token.strip()
+        if not token:
+            raise argparse.ArgumentTypeError(f"empty budget in {text!r}")
+        try:
+            number = float(token)
+        except ValueError:
+            number = None
+        if number is not None and math.isfinite(number) and 0 <= number <= 1:
+            values.append(number)
+            continue
+        try:
+            values.append(int(parse_budget(token)) if number is None or number > 1 else -1)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"budget {token!r}: {e}") from None
+        if values[-1] < 0:
+            raise argparse.ArgumentTypeError(f"budget {token!r} is negative")
+    return values
+
+
+def _solver_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",")]
+    for name in names:
+        if name not in _solver_names():
+            raise argparse.ArgumentTypeError(
+                f"unknown solver {name!r}; choose from {', '.join(_solver_names())}"
+            )
+    return list(dict.fromkeys(names))
+
+
+def _points(text: str) -> int:
+    value = _positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"need at least 2 points, got {text!r}")
+    return value
 
 
 # ----------------------------------------------------------------------------- main
@@ -690,3 +806,140 @@ def _device_of(model) -> Any:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def _bench_setup(args, progress: _Progress) -> tuple[str | None, str, dict]:
+    """Check what can be checked before minutes of measuring: device, model, plot, files."""
+    import torch
+
+    device = args.device
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available to this torch")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib: install the 'plot' extra (pip install -e '.[plot]')"
+            ) from None
+    try:
+        model, _inputs = _load(args, progress)  # fails fast on an unknown model or --size key
+    except ImportError as e:
+        raise UsageError(f"{args.model}: {_one_line(str(e))}") from None
+    if device is None:  # the factory's default: pass nothing, measure where it lives
+        return None, str(_device_of(model)), dict(args.size)
+    return device, str(torch.device(device)), dict(args.size)
+
+
+def _bench_output(args, rows, meta: dict) -> None:
+    from remat import bench
+
+    print(bench.rows_table(rows))
+    if args.csv:
+        bench.write_csv(rows, args.csv)
+    if args.json:
+        bench.write_json(rows, args.json, meta)
+    if args.plot:
+        bench.plot_rows(rows, args.plot, title=f"{args.model}: peak memory vs step time")
+
+
+def _bench_meta(args, device: str, **extra) -> dict:
+    import datetime
+    import platform
+
+    import torch
+
+    return {
+        "model": args.model,
+        "size": dict(args.size),
+        "device": device,
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else
+        platform.processor() or platform.machine(),
+        "compiler": args.compiler,
+        "repeat": args.repeat,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "remat " + " ".join(sys.argv[1:]),
+        **extra,
+    }  # fmt: skip
+
+
+def cmd_bench(args, progress: _Progress) -> int:
+    from remat import bench
+
+    device, measured_on, size = _bench_setup(args, progress)
+    rows = bench.run_bench(
+        args.model,
+        args.budgets,
+        device=device,
+        compiler=args.compiler,
+        solvers=args.solvers,
+        repeat=args.repeat,
+        size_kwargs=size,
+        threads=args.threads or None,
+        cost_model=args.cost_model,
+        progress=progress,
+    )
+    _bench_output(args, rows, _bench_meta(args, measured_on, budgets=args.budgets))
+    verdicts = bench.dominates(rows)
+    if verdicts:
+        missing = [t.label for t, r in verdicts if r is None]
+        print()
+        if missing:
+            print(
+                f"remat dominates {len(verdicts) - len(missing)}/{len(verdicts)} torch points "
+                f"(a remat point with peak <= and time <= 1.02x); not: {', '.join(missing)}"
+            )
+        else:
+            print(
+                f"remat dominates all {len(verdicts)} torch points (a remat point with "
+                "peak <= and time <= 1.02x each)"
+            )
+    return EXIT_OK
+
+
+def cmd_pareto(args, progress: _Progress) -> int:
+    from remat import bench
+
+    device, measured_on, size = _bench_setup(args, progress)
+    progress(f"tracing {args.model} to find remat's store-all and minimum peaks...")
+    budgets, info = bench.pareto_budgets(
+        args.model, args.points, size_kwargs=size, device=device, cost_model=args.cost_model
+    )
+    progress(
+        f"store-all {format_bytes(info['store_all'])}, minimum {format_bytes(info['minimum'])}: "
+        f"measuring {len(budgets)} budgets"
+    )
+    rows = bench.run_bench(
+        args.model,
+        budgets,
+        device=device,
+        compiler=args.compiler,
+        solvers=[args.solver],
+        repeat=args.repeat,
+        size_kwargs=size,
+        methods=("eager", "remat"),
+        threads=args.threads or None,
+        cost_model=args.cost_model,
+        progress=progress,
+    )
+    _bench_output(args, rows, _bench_meta(args, measured_on, points=args.points, **info))
+    front = [r for r in bench.frontier(rows) if r.method == "remat"]
+    print()
+    print(
+        f"remat frontier ({len(front)} of {sum(r.method == 'remat' for r in rows)} points "
+        "not beaten on both peak and time): "
+        + ", ".join(f"{format_bytes(r.peak_bytes)} @ {format_seconds(r.step_s)}" for r in front)
+    )
+    return EXIT_OK

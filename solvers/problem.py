@@ -120,11 +120,6 @@ class Problem:
                 stack.extend(self.nodes[i].inputs)
         return frozenset(seen).union(*(self.outputs_of[i] for i in seen))
 
-    @cached_property
-    def total_cost(self) -> float:
-        """Cost of running every node once: the yardstick for recompute overhead."""
-        return sum(n.cost for n in self.nodes)
-
 
 def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:
     where = f"node {i} ({node.name!r})"
