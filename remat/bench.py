@@ -1,0 +1,604 @@
+"""Side-by-side benchmark: remat against torch's partitioner, checkpointing by hand, and eager.
+
+``run_bench`` builds a fresh model (the factory's own seed, so the same weights) for every
+configuration and measures one training step (forward + backward) of each, in one process:
+
+- ``eager``: plain PyTorch, which stores everything the backward needs;
+- ``checkpoint``: ``torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)``
+  around each of ``model.blocks`` (the sqrt(n) rule by hand), when the model has blocks;
+- ``torch``: ``torch.compile`` through AOTAutograd with torch's own
+  ``min_cut_rematerialization_partition``, with ``torch._functorch.config.
+  activation_memory_budget`` set to each budget while it compiles (with
+  ``compiler="eager"`` the partitioned programs run as plain fx, like remat's; with
+  ``"inductor"`` it is the stock inductor pipeline);
+- ``remat``: ``remat.optimize(model, budget, solver=..., compiler=...)`` for each budget and
+  solver. A budget below remat's minimum is a row carrying the ``InfeasibleBudget`` message.
+
+The two budgets do not mean the same thing: torch's is a fraction of the bytes its
+partitioner would save, remat's a fraction of the store-all plan's peak. Compare the
+(peak, time) curves, not rows with equal budgets.
+
+Per configuration: one warm-up step (it compiles; its wall time minus the median step time
+is ``compile_s``), then the peak of one step (``remat.memory.peak``: profiler on CPU, the
+allocator's counters on CUDA), gradients set to ``None`` first so allocating them counts.
+Then ``repeat`` timed rounds, each running one step of every configuration in turn, so that
+drift of the machine hits all alike; a row's ``step_s`` is its median.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat import examples, memory
+from remat.solvers import InfeasibleBudget, format_bytes
+
+__all__ = [
+    "METHODS",
+    "Row",
+    "dominates",
+    "pareto_budgets",
+    "plot_rows",
+    "rows_table",
+    "run_bench",
+    "write_csv",
+    "write_json",
+]
+
+METHODS = ("eager", "checkpoint", "torch", "remat")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Row:
+    """One configuration's measurements. Bytes are ints, times seconds; ``None`` where a
+    column does not apply (or the configuration failed: then ``error`` says why)."""
+
+    method: str
+    budget: float | int | None = None
+    solver: str | None = None
+    compiler: str | None = None
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    overhead: float | None = None  # step_s / eager's step_s - 1
+    compile_s: float | None = None
+    plan_s: float | None = None  # remat: planning time of all graphs
+    budget_bytes: int | None = None  # remat: the budget in bytes (fractions resolved)
+    predicted_peak: int | None = None  # remat: the plan's predicted peak
+    gap: float | None = None  # remat: solver's optimality gap (None: heuristic, no bound)
+    status: str | None = None  # remat: plan status (optimal / feasible / heuristic)
+    graphs: int | None = None
+    error: str | None = None
+    times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def label(self) -> str:
+        if self.method == "remat":
+            return f"remat {self.solver} @ {_budget_text(self.budget)}"
+        if self.method == "torch":
+            return f"torch min-cut @ {_budget_text(self.budget)}"
+        return self.method
+
+    def record(self) -> dict[str, Any]:
+        """The row as plain data (JSON), with the individual step times (``times``)."""
+        out = asdict(self)
+        out["label"] = self.label
+        return out
+
+
+@dataclass
+class _Config:
+    row: Row
+    model: nn.Module | None = None  # what is called
+    params: nn.Module | None = None  # whose gradients are reset between steps
+    inputs: tuple = ()
+    report: Any = None  # remat's backend, for its plans
+
+    @property
+    def ok(self) -> bool:
+        return self.row.error is None and self.model is not None
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run_bench(
+    model_spec: str,
+    budgets: Sequence[float | int],
+    *,
+    device: str | torch.device | None = "cpu",
+    compiler: str = "eager",
+    solvers: Sequence[str] = ("auto",),
+    repeat: int = 5,
+    size_kwargs: dict[str, Any] | None = None,
+    methods: Iterable[str] = METHODS,
+    threads: int | None = 1,
+    cost_model: str = "roofline",
+    progress: Progress | None = None,
+) -> list[Row]:
+    """Measure every configuration of ``methods`` on ``model_spec`` (see the module doc).
+
+    ``budgets`` are fractions in [0, 1] (torch takes only fractions; remat also takes
+    absolute bytes as ints, and rejects 0 with an error row). ``threads`` sets
+    ``torch.set_num_threads`` on CPU for the run (``None``: leave it). Rows come in the order
+    eager, checkpoint, torch by budget, remat by solver then budget. ``device`` is passed
+    to the factory as ``device=...``; ``None`` passes nothing and measures where the
+    factory's model lives.
+    """
+    methods = tuple(methods)
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if compiler not in ("eager", "inductor"):
+        raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0:
+            raise ValueError(f"budgets must be numbers >= 0 (fractions or bytes), got {b!r}")
+    say = progress or (lambda _message: None)
+    kwargs = dict(size_kwargs or {})
+    if device is not None:
+        dev = kwargs["device"] = torch.device(device)
+    else:  # the factory's default device (a factory need not take ``device``)
+        dev = _device_of(examples.load(model_spec, **kwargs)[0])
+
+    configs = _configs(methods, budgets, solvers, compiler)
+    old_threads = torch.get_num_threads()
+    if threads is not None and dev.type == "cpu":
+        torch.set_num_threads(threads)
+    # Every configuration compiles the same forward code object; keep them all cached.
+    limits = {"recompile_limit": 4 * len(configs) + 8, "accumulated_recompile_limit": 4096}
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(**limits):
+            for k, cfg in enumerate(configs, 1):
+                _prepare(cfg, model_spec, kwargs, dev, cost_model, say, f"[{k}/{len(configs)}]")
+            live = [c for c in configs if c.ok]
+            for r in range(repeat):
+                say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
+                for cfg in live:
+                    cfg.row.times.append(_timed_step(cfg, dev))
+    finally:
+        torch._dynamo.reset()
+        if threads is not None and dev.type == "cpu":
+            torch.set_num_threads(old_threads)
+
+    eager_time = next((c.row.step_s for c in configs if c.row.method == "eager"), None)
+    for cfg in configs:
+        row = cfg.row
+        if not row.times:
+            continue
+        row.step_s = statistics.median(row.times)
+        if row.compile_s is not None:
+            row.compile_s = max(row.compile_s - row.step_s, 0.0)
+        if row.method == "eager":
+            eager_time = row.step_s
+    for cfg in configs:
+        row = cfg.row
+        if row.step_s is not None and eager_time:
+            row.overhead = row.step_s / eager_time - 1
+    return [c.row for c in configs]
+
+
+def _configs(methods, budgets, solvers, compiler) -> list[_Config]:
+    out = []
+    if "eager" in methods:
+        out.append(_Config(Row("eager")))
+    if "checkpoint" in methods:
+        out.append(_Config(Row("checkpoint")))
+    if "torch" in methods:
+        for b in budgets:
+            out.append(_Config(Row("torch", budget=b, compiler=compiler)))
+    if "remat" in methods:
+        for s in solvers:
+            for b in budgets:
+                out.append(_Config(Row("remat", budget=b, solver=s, compiler=compiler)))
+    return out
+
+
+def _prepare(cfg: _Config, spec, kwargs, dev, cost_model, say: Progress, tag: str) -> None:
+    """Build, compile (warm-up step) and measure the peak of one configuration."""
+    row = cfg.row
+    say(f"{tag} {row.label}: building and compiling...")
+    try:
+        model, inputs = examples.load(spec, **kwargs)
+        cfg.params, cfg.inputs = model, inputs
+        row.graphs = None
+        if row.method == "eager":
+            cfg.model = model
+        elif row.method == "checkpoint":
+            blocks = getattr(model, "blocks", None)
+            if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+                raise _Skip("the model has no `blocks` (nn.ModuleList or nn.Sequential)")
+            for i in range(len(blocks)):
+                blocks[i] = _Checkpointed(blocks[i])
+            cfg.model = model
+        elif row.method == "torch":
+            if isinstance(row.budget, int) and not 0 <= row.budget <= 1:
+                raise _Skip("torch's activation_memory_budget is a fraction in [0, 1]")
+            cfg.model = _torch_compiled(model, row.compiler)
+        else:
+            import remat
+
+            if row.budget == 0:
+                raise _Skip("remat budgets are fractions in (0, 1] or bytes, not 0")
+            budget = float(row.budget) if 0 < row.budget <= 1 else int(row.budget)
+            cfg.model = remat.optimize(
+                model, budget=budget, solver=row.solver, compiler=row.compiler,
+                cost_model=cost_model,
+            )  # fmt: skip
+            cfg.report = cfg.model.remat
+
+        start = time.perf_counter()
+        with _compile_context(row):
+            _step(cfg)
+        _sync(dev)
+        row.compile_s = time.perf_counter() - start
+        _zero_grad(cfg)
+        row.peak_bytes = memory.peak(_step, cfg, device=dev).peak_bytes
+        _zero_grad(cfg)
+        if cfg.report is not None:
+            _remat_columns(row, cfg.report.report())
+    except _Skip as e:
+        row.error = str(e)
+    except InfeasibleBudget as e:
+        row.error = _infeasible(e)
+    except Exception as e:  # a failed configuration is a row, not the end of the benchmark
+        user = _budget_error(e)
+        if isinstance(user, InfeasibleBudget):
+            row.error = _infeasible(user)
+        elif user is not None:
+            row.error = " ".join(str(user).split())
+        else:
+            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            say("".join(traceback.format_exception(e, limit=-3)).rstrip())
+    if row.error is not None:
+        cfg.model = None
+        say(f"{tag} {row.label}: not run: {row.error}")
+    else:
+        extra = ""
+        if row.predicted_peak is not None:
+            extra = f", predicted {format_bytes(row.predicted_peak)}"
+        say(
+            f"{tag} {row.label}: peak {format_bytes(row.peak_bytes)}{extra}, "
+            f"first step {row.compile_s:.2f}s"
+        )
+
+
+class _Skip(Exception):
+    pass
+
+
+def _infeasible(e: InfeasibleBudget) -> str:
+    return (
+        f"infeasible: budget {format_bytes(e.budget)} < remat's minimum "
+        f"{format_bytes(e.minimum)} ({e.minimum / max(e.store_all, 1):.1%} of store-all)"
+    )
+
+
+def _budget_error(exc: BaseException) -> BaseException | None:
+    """An InfeasibleBudget or a planner's budget ValueError behind ``exc`` (dynamo wraps)."""
+    from remat.cli import _user_error
+
+    return _user_error(exc)
+
+
+class _Checkpointed(nn.Module):
+    """``torch.utils.checkpoint`` around one block (non-reentrant, any arguments)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
+    if compiler == "inductor":
+        return torch.compile(model, dynamic=False)  # inductor partitions with min-cut
+    from functools import partial
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backend = aot_autograd(
+        fw_compiler=boxed_nop,
+        bw_compiler=boxed_nop,
+        # compiler="inductor" picks the set of ops min-cut may recompute (its default).
+        partition_fn=partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+    return torch.compile(model, backend=backend, dynamic=False)
+
+
+class _compile_context:
+    """torch's budget is read while partitioning, at the first call; caches stay off so a
+    cached partition from another budget is never reused."""
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+        self.stack: list = []
+
+    def __enter__(self):
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        patches = [
+            functorch_config.patch(enable_autograd_cache=False),
+            inductor_config.patch(fx_graph_cache=False),
+        ]
+        if self.row.method == "torch":
+            patches.append(functorch_config.patch(activation_memory_budget=float(self.row.budget)))
+        for p in patches:
+            p.__enter__()
+            self.stack.append(p)
+        return self
+
+    def __exit__(self, *exc):
+        while self.stack:
+            self.stack.pop().__exit__(*exc)
+
+
+def _step(cfg: _Config) -> None:
+    loss = cfg.model(*cfg.inputs)
+    loss.backward()
+
+
+def _zero_grad(cfg: _Config) -> None:
+    cfg.params.zero_grad(set_to_none=True)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed_step(cfg: _Config, dev: torch.device) -> float:
+    _zero_grad(cfg)
+    _sync(dev)
+    start = time.perf_counter()
+    _step(cfg)
+    _sync(dev)
+    seconds = time.perf_counter() - start
+    _zero_grad(cfg)  # free the gradients: other configurations run next
+    return seconds
+
+
+def _remat_columns(row: Row, report) -> None:
+    graphs = report.graphs
+    row.graphs = len(graphs)
+    row.predicted_peak = report.predicted_peak
+    held, limit = 0, 0
+    for g in graphs:
+        limit = max(limit, held + g.budget)
+        held += g.saved_bytes
+    row.budget_bytes = limit
+    row.plan_s = sum(g.plan_seconds for g in graphs)
+    gaps = [g.plan.gap for g in graphs]
+    row.gap = None if any(x is None for x in gaps) else max(gaps, default=None)
+    row.status = ",".join(sorted({g.plan.status for g in graphs}))
+
+
+# ----------------------------------------------------------------------------- pareto
+
+
+def pareto_budgets(
+    model_spec: str,
+    points: int,
+    *,
+    size_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device | None = "cpu",
+    cost_model: str = "roofline",
+) -> tuple[list[int | float], dict[str, int]]:
+    """``points`` budgets from remat's store-all peak down to its smallest reachable peak.
+
+    One trace (``remat.plan`` at budget 1.0). With one graph the budgets are bytes, evenly
+    spaced from the store-all peak to ``min_peak_plan(problem).peak``; with graph breaks they
+    are fractions down to the largest per-graph minimum fraction (rounded up, so the lowest
+    is still feasible). Also returns ``{"store_all": ..., "minimum": ...}`` (bytes, graph 0).
+    """
+    import remat
+    from remat.solvers import min_peak_plan
+
+    if points < 2:
+        raise ValueError(f"need at least 2 points, got {points}")
+    kwargs = dict(size_kwargs or {})
+    if device is not None:
+        kwargs["device"] = torch.device(device)
+    model, inputs = examples.load(model_spec, **kwargs)
+    try:
+        report = remat.plan(model, inputs, budget=1.0, cost_model=cost_model)
+    finally:
+        torch._dynamo.reset()
+    graphs = report.graphs
+    minima = [min_peak_plan(g.extracted.problem).peak for g in graphs]
+    stores = [g.store_all.peak for g in graphs]
+    info = {"store_all": stores[0], "minimum": minima[0]}
+    if len(graphs) == 1:
+        hi, lo = stores[0], minima[0]
+        values = sorted({round(hi - (hi - lo) * k / (points - 1)) for k in range(points)})
+        return values[::-1], info
+    low = max(m / s for m, s in zip(minima, stores, strict=True))
+    low = math.ceil(low * 1e4) / 1e4
+    return [1.0 - (1.0 - low) * k / (points - 1) for k in range(points)], info
+
+
+def dominates(rows: Sequence[Row], *, slack: float = 1.02) -> list[tuple[Row, Row | None]]:
+    """For each measured torch row, the remat row with peak <= its peak and time <= slack x
+    its time (the fastest such), or None when no remat row does."""
+    remat_rows = [r for r in rows if r.method == "remat" and r.step_s is not None]
+    out = []
+    for t in rows:
+        if t.method != "torch" or t.step_s is None:
+            continue
+        ok = [
+            r for r in remat_rows if r.peak_bytes <= t.peak_bytes and r.step_s <= slack * t.step_s
+        ]
+        out.append((t, min(ok, key=lambda r: r.step_s) if ok else None))
+    return out
+
+
+def frontier(rows: Sequence[Row]) -> list[Row]:
+    """Measured rows no other row beats on both peak and time (ties kept)."""
+    done = [r for r in rows if r.step_s is not None and r.peak_bytes is not None]
+    return [
+        r
+        for r in done
+        if not any(
+            o is not r
+            and o.peak_bytes <= r.peak_bytes
+            and o.step_s <= r.step_s
+            and (o.peak_bytes < r.peak_bytes or o.step_s < r.step_s)
+            for o in done
+        )
+    ]
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _budget_text(b) -> str:
+    if b is None:
+        return "-"
+    if isinstance(b, int) and b > 1:
+        return format_bytes(b)
+    return f"{b:g}"
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return ""
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+TABLE_HEADERS = (
+    "method",
+    "budget",
+    "solver",
+    "peak",
+    "vs eager",
+    "step",
+    "overhead",
+    "compile",
+    "predicted",
+    "budget bytes",
+    "gap",
+    "note",
+)
+
+
+def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
+    """The benchmark as a tabulate table (``tablefmt="github"`` for markdown)."""
+    from tabulate import tabulate
+
+    eager = next((r.peak_bytes for r in rows if r.method == "eager" and r.peak_bytes), None)
+    body = []
+    for r in rows:
+        gap = ""
+        if r.method == "remat" and r.error is None:
+            gap = "-" if r.gap is None else f"{r.gap:.1%}"
+        body.append(
+            [
+                r.method,
+                _budget_text(r.budget),
+                r.solver or "",
+                format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
+                f"{r.peak_bytes / eager:.2f}x" if r.peak_bytes is not None and eager else "",
+                _seconds(r.step_s),
+                f"{r.overhead:+.1%}" if r.overhead is not None else "",
+                f"{r.compile_s:.1f} s" if r.compile_s is not None else "",
+                format_bytes(r.predicted_peak) if r.predicted_peak is not None else "",
+                format_bytes(r.budget_bytes) if r.budget_bytes is not None else "",
+                gap,
+                _note(r.error),
+            ]
+        )
+    return tabulate(body, headers=TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
+
+
+def _note(error: str | None) -> str:
+    if error is None:
+        return ""
+    return error if len(error) <= 90 else error[:87] + "..."
+
+
+def write_json(rows: Sequence[Row], path: str | Path, meta: dict[str, Any] | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta or {}, "rows": [r.record() for r in rows]}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_csv(rows: Sequence[Row], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = ["label"] + [f.name for f in fields(Row) if f.name != "times"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        for r in rows:
+            rec = r.record()
+            rec.pop("times")
+            writer.writerow({k: "" if rec[k] is None else rec[k] for k in names})
+
+
+def plot_rows(rows: Sequence[Row], path: str | Path, *, title: str = "") -> None:
+    """Peak memory against step time, one curve per method (and remat solver), as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "--plot needs matplotlib: install the 'plot' extra (pip install -e '.[plot]')"
+        ) from e
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.step_s is None or r.peak_bytes is None:
+            continue
+        key = f"remat ({r.solver})" if r.method == "remat" else r.method
+        key = "torch min-cut" if r.method == "torch" else key
+        groups.setdefault(key, []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, group in groups.items():
+        group = sorted(group, key=lambda r: r.peak_bytes)
+        xs = [r.step_s * 1e3 for r in group]
+        ys = [r.peak_bytes / 2**20 for r in group]
+        style = "o-" if len(group) > 1 else "s"
+        ax.plot(xs, ys, style, label=name)
+        for r, x, y in zip(group, xs, ys, strict=True):
+            if r.budget is not None:
+                ax.annotate(_budget_text(r.budget), (x, y), fontsize=7, alpha=0.7)
+    ax.set_xlabel("step time (ms, forward + backward, median)")
+    ax.set_ylabel("peak memory (MiB, measured)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,267 @@
+"""``remat.bench`` and the ``remat bench`` / ``remat pareto`` commands, on small models."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from remat import bench, examples
+from remat.bench import Row, run_bench
+from remat.cli import main
+
+# Tiny MLP (as in test_cli): compiles in about a second; remat's minimum is ~48% of store-all.
+MLP_SIZE = {"layers": 8, "width": 32, "batch": 256}
+MLP = ["mlp", "--size", "layers=8", "--size", "width=32", "--size", "batch=256"]
+HF_SIZE = {"layers": 2, "d_model": 64, "heads": 4, "seq": 64, "batch": 2}
+BUDGETS = [1.0, 0.75, 0.55, 0.2]  # 0.2 is below remat's minimum: an error row
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if "USDT" not in line]
+    assert len(lines) == 1, err  # one line, no traceback
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
+
+
+def check_remat_rows(rows: list[Row]) -> None:
+    """Measured peak within 10% of the budget, and monotone in the budget."""
+    done = [r for r in rows if r.method == "remat" and r.error is None]
+    assert done
+    for r in done:
+        assert r.budget_bytes is not None and r.predicted_peak is not None
+        assert r.predicted_peak <= r.budget_bytes
+        assert r.peak_bytes <= 1.10 * r.budget_bytes, r
+    by_budget = sorted(done, key=lambda r: r.budget_bytes)
+    peaks = [r.peak_bytes for r in by_budget]
+    assert peaks == sorted(peaks), [(r.budget, r.peak_bytes) for r in by_budget]
+
+
+@pytest.fixture(scope="module")
+def mlp_rows() -> list[Row]:
+    messages: list[str] = []
+    rows = run_bench(
+        "mlp", BUDGETS, repeat=2, size_kwargs=MLP_SIZE, progress=messages.append, threads=1
+    )
+    rows_progress[:] = messages
+    return rows
+
+
+rows_progress: list[str] = []
+
+
+# ----------------------------------------------------------------------------- run_bench
+
+
+def test_every_configuration_has_a_row(mlp_rows):
+    labels = [r.label for r in mlp_rows]
+    assert labels == [
+        "eager",
+        "checkpoint",
+        *(f"torch min-cut @ {b:g}" for b in BUDGETS),
+        *(f"remat auto @ {b:g}" for b in BUDGETS),
+    ]
+    assert any(m.startswith("[1/10] eager") for m in rows_progress)  # one line per config
+    assert any(m.startswith("timing round 2/2") for m in rows_progress)
+
+
+def test_measured_rows(mlp_rows):
+    eager = mlp_rows[0]
+    assert eager.overhead == 0.0
+    for r in mlp_rows:
+        if r.error is None:
+            assert r.peak_bytes > 0 and r.step_s > 0, r
+            assert len(r.times) == 2 and r.compile_s >= 0
+            assert r.overhead == pytest.approx(r.step_s / eager.step_s - 1)
+    torch_rows = [r for r in mlp_rows if r.method == "torch"]
+    assert all(r.error is None for r in torch_rows)  # torch takes any fraction
+    for r in mlp_rows:
+        if r.method == "remat" and r.error is None:
+            assert r.gap is None and r.status == "heuristic"  # the greedy has no bound
+            assert r.graphs == 1 and r.plan_s > 0
+
+
+def test_remat_peak_within_budget_and_monotone(mlp_rows):
+    check_remat_rows(mlp_rows)
+    infeasible = mlp_rows[-1]
+    assert infeasible.budget == 0.2
+    assert infeasible.error.startswith("infeasible: budget") and "minimum" in infeasible.error
+    assert infeasible.peak_bytes is None and infeasible.step_s is None
+    assert "infeasible" in bench.rows_table(mlp_rows)
+
+
+def test_checkpoint_row_without_blocks(monkeypatch):
+    def flat(seed=0, device="cpu"):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Flatten(0))
+        return _SumLoss(model).to(device), (torch.randn(4, 8, device=device),)
+
+    monkeypatch.setitem(examples.EXAMPLES, "flat", flat)
+    rows = run_bench("flat", [1.0], methods=("eager", "checkpoint"), repeat=1)
+    assert rows[0].error is None and rows[0].peak_bytes > 0
+    assert rows[1].method == "checkpoint" and "no `blocks`" in rows[1].error
+
+
+class _SumLoss(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).sum()
+
+
+def test_run_bench_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown method"):
+        run_bench("mlp", [1.0], methods=("eager", "magic"))
+    with pytest.raises(ValueError, match="repeat"):
+        run_bench("mlp", [1.0], repeat=0)
+    with pytest.raises(ValueError, match="budgets"):
+        run_bench("mlp", [-0.5])
+    with pytest.raises(ValueError, match="compiler"):
+        run_bench("mlp", [1.0], compiler="tvm")
+
+
+def test_dominates_and_frontier():
+    def row(method, peak, step, budget=None):
+        return Row(method, budget=budget, solver="auto", peak_bytes=peak, step_s=step)
+
+    t1, t2 = row("torch", 100, 1.0, 1.0), row("torch", 60, 1.3, 0.5)
+    r1, r2 = row("remat", 100, 1.01, 1.0), row("remat", 70, 1.1, 0.6)
+    verdicts = dict((t.budget, r) for t, r in bench.dominates([t1, t2, r1, r2]))
+    assert verdicts[1.0] is r1  # 1.01 <= 1.02 x 1.0
+    assert verdicts[0.5] is None  # nothing at peak <= 60
+    assert bench.frontier([t1, t2, r1, r2]) == [t1, t2, r2]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_bench_cli_writes_json_and_csv(capsys, tmp_path):
+    js, cs = tmp_path / "out" / "b.json", tmp_path / "b.csv"
+    code, out, err = run(
+        capsys,
+        "bench",
+        *MLP,
+        "--budgets",
+        "1,0.6",
+        "--repeat",
+        "1",
+        "--json",
+        str(js),
+        "--csv",
+        str(cs),
+    )
+    assert code == 0, err
+    assert "[1/6] eager" in err and "timing round 1/1" in err
+    assert "torch min-cut" not in out  # the table says "torch" with a budget column
+    for header in ("method", "peak", "overhead", "predicted", "gap"):
+        assert header in out
+    assert "torch points" in out  # the dominance verdict
+    data = json.loads(js.read_text())
+    assert data["meta"]["model"] == "mlp" and data["meta"]["budgets"] == [1.0, 0.6]
+    assert [r["method"] for r in data["rows"]] == ["eager", "checkpoint"] + ["torch"] * 2 + [
+        "remat"
+    ] * 2
+    with cs.open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 6 and all(int(r["peak_bytes"]) > 0 for r in table)
+    assert all(len(r["times"]) == 1 for r in data["rows"])  # each timed step, for the spread
+    check_remat_rows([Row(**{k: v for k, v in r.items() if k != "label"}) for r in data["rows"]])
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--budgets", "1,abc"], ["--budgets", "abc"]),
+        (["--budgets", "1,-0.5"], ["--budgets", "-0.5"]),
+        (["--budgets", "1,,0.5"], ["empty budget"]),
+        (["--solvers", "auto,nope"], ["unknown solver 'nope'"]),
+        (["--repeat", "0"], ["--repeat"]),
+        (["--threads", "-1"], ["--threads"]),
+        (["--device", "tpu"], ["cpu or cuda"]),
+        (["--compiler", "tvm"], ["--compiler"]),
+        (["--size", "bogus=1"], ["bogus"]),
+    ],
+)
+def test_bench_cli_usage_errors(capsys, argv, needles):
+    code, _out, err = run(capsys, "bench", *MLP, "-q", *argv)
+    assert_usage_error(code, err, *needles)
+
+
+def test_bench_cli_unknown_model(capsys):
+    code, _out, err = run(capsys, "bench", "no-such-model", "-q")
+    assert_usage_error(code, err, "unknown model 'no-such-model'")
+
+
+def test_pareto_cli_usage_errors(capsys):
+    code, _out, err = run(capsys, "pareto", *MLP, "-q", "--points", "1")
+    assert_usage_error(code, err, "at least 2 points")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="has matplotlib")
+def test_plot_without_matplotlib_is_a_usage_error(capsys, tmp_path):
+    code, _out, err = run(capsys, "bench", *MLP, "-q", "--plot", str(tmp_path / "p.png"))
+    assert_usage_error(code, err, "matplotlib", "'plot' extra")
+
+
+def test_plot_writes_png(tmp_path, mlp_rows):
+    pytest.importorskip("matplotlib", reason="the 'plot' extra (matplotlib) is not installed")
+    bench.plot_rows(mlp_rows, tmp_path / "p.png", title="mlp")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pareto_cli_sweeps_store_all_down_to_the_minimum(capsys, tmp_path):
+    js = tmp_path / "p.json"
+    code, out, err = run(
+        capsys, "pareto", *MLP, "--points", "3", "--repeat", "1", "--json", str(js)
+    )
+    assert code == 0, err
+    assert "remat frontier" in out
+    data = json.loads(js.read_text())
+    rows = [Row(**{k: v for k, v in r.items() if k != "label"}) for r in data["rows"]]
+    assert [r.method for r in rows] == ["eager", "remat", "remat", "remat"]
+    assert all(r.error is None for r in rows)  # the minimum itself is feasible
+    assert rows[1].budget == data["meta"]["store_all"]
+    assert rows[-1].budget == data["meta"]["minimum"]
+    check_remat_rows(rows)
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def test_hf_examples_name_the_extra_when_transformers_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes the import fail
+    with pytest.raises(ImportError, match=r"'transformers' extra"):
+        examples.load("hf-gpt2")
+    code, _out, err = run(capsys, "bench", "hf-llama", "-q")
+    assert_usage_error(code, err, "transformers")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
+def test_hf_bench(name):
+    pytest.importorskip("transformers", reason="the 'transformers' extra is not installed")
+    rows = run_bench(
+        name,
+        [1.0, 0.7],
+        methods=("eager", "checkpoint", "remat"),
+        repeat=1,
+        size_kwargs=HF_SIZE,
+    )
+    assert [r.label for r in rows] == ["eager", "checkpoint", "remat auto @ 1", "remat auto @ 0.7"]
+    assert all(r.error is None and r.peak_bytes > 0 for r in rows), rows
+    assert rows[1].peak_bytes < rows[0].peak_bytes  # checkpointing HF blocks saves memory
+    check_remat_rows(rows)
