@@ -18,6 +18,8 @@ SMALL = {
     "cnn": dict(batch=4, image=16, width=8),
     "gpt": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
     "unet": dict(batch=2, image=16, base=8),
+    "hf-gpt2": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
+    "hf-llama": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
 }
 
 
@@ -30,9 +32,9 @@ def _step(model, inputs, seed=1234):
 
 
 def test_registry_names():
-    assert NAMES == ["cnn", "gpt", "mlp", "unet"]
+    assert NAMES == ["cnn", "gpt", "hf-gpt2", "hf-llama", "mlp", "unet"]
     for name in NAMES:
-        assert EXAMPLES[name] is getattr(examples, name)
+        assert EXAMPLES[name] is getattr(examples, name.replace("-", "_"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -78,8 +80,8 @@ def test_blocks_can_be_wrapped_in_checkpoint(name):
             super().__init__()
             self.block = block
 
-        def forward(self, x):
-            return checkpoint(self.block, x, use_reentrant=False)
+        def forward(self, *args, **kwargs):  # HF blocks also take masks, positions
+            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
     model, inputs = EXAMPLES[name](**SMALL[name])
     assert isinstance(model.blocks, (nn.ModuleList, nn.Sequential)) and len(model.blocks) > 1
