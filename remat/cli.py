@@ -77,34 +77,24 @@ def _literal(value: str) -> Any:
     return {"true": True, "false": False, "none": None}.get(value.lower(), value)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(cast, accept, expected: str):
+    """An argparse type: ``cast`` the text, keep it if ``accept``, else say what was expected."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive = _number(int, lambda v: v >= 1, "a positive integer")
+_non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
+_float = _number(float, lambda v: v > 0, "a positive number")
 
 
 def _solver_names() -> list[str]:
