@@ -49,7 +49,7 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
     Candidates: the trajectory of ``_drop_saves`` (stop saving, one at a time,
     the value live at the peak that frees the most bytes per unit of recompute
     cost) and ``checkpoint_sweep`` (segment checkpointing at every segment
-    size). Where none fits, ``_descend`` pushes the lowest peak further down.
+    size). Where none fits, ``descend`` pushes the lowest peak further down.
     Without a budget it returns the lowest-peak plan: the feasible minimum
     remat reports.
     """
@@ -61,7 +61,7 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
     feasible = [p for p in candidates if p.peak <= target]
     if not feasible:
         lowest = min(candidates, key=lambda p: (p.peak, p.recompute_cost))
-        polished = _descend(problem, lowest, target)
+        polished = descend(problem, lowest, target)
         candidates.append(polished)
         feasible = [polished] if polished.peak <= target else []
     if not feasible:
@@ -140,7 +140,7 @@ def _crossing(problem: Problem) -> list[int]:
     return crossing
 
 
-def _descend(problem: Problem, plan: Plan, target: int) -> Plan:
+def descend(problem: Problem, plan: Plan, target: int) -> Plan:
     """Flip one value at a time, the flip that lowers the peak most, until none does.
 
     Flips are limited to values live at the peak: stop saving a saved one, or

@@ -104,6 +104,16 @@ class Problem:
         return tuple(root)
 
     @cached_property
+    def rank(self) -> tuple[int, ...]:
+        """Problem order with every output of a multi-output op moved right after the op:
+        the order recomputes run in within one gap of the backward."""
+        key = [(i if n.output_of is None else n.output_of, i) for i, n in enumerate(self.nodes)]
+        ranks = [0] * len(self.nodes)
+        for r, (_, i) in enumerate(sorted(key)):
+            ranks[i] = r
+        return tuple(ranks)
+
+    @cached_property
     def forward_nodes(self) -> tuple[int, ...]:
         return tuple(i for i, n in enumerate(self.nodes) if n.phase == "fwd")
 

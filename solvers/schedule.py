@@ -127,44 +127,43 @@ def _already_allocated(
 def _place_recomputes(
     problem: Problem, core: list[int], recomputed: frozenset[int], reads: list[int]
 ) -> tuple[int, ...]:
-    """Backward order: each recompute just before its first reader, inputs first.
+    """Backward order: each recompute in the gap before the first backward node that
+    needs it (directly, or through recomputed consumers); each gap in problem order.
 
-    A multi-output op's recomputed outputs follow it at once, as they do in fx.
-    Gradients that are forward values (no tangent dependence) go last.
+    Problem order is topological, and makes the order a function of the gaps alone,
+    which is what lets the CP-SAT model encode it exactly. A multi-output op's
+    recomputed outputs follow it at once, as they do in fx (``rank``). Forward values
+    returned as gradients are needed last.
     """
-    nodes = problem.nodes
+    gap = recompute_gaps(problem, core, recomputed)
+    batches: dict[int, list[int]] = {}
+    for i in recomputed:
+        batches.setdefault(gap[i], []).append(i)
+    rank = problem.rank
     order: list[int] = []
-    placed: set[int] = set()
-
-    def place(root: int) -> None:
-        stack = [(root, False)]
-        while stack:
-            i, expanded = stack.pop()
-            if i in placed:
-                continue
-            if expanded:
-                placed.add(i)
-                order.append(i)
-                for part in problem.outputs_of[i]:
-                    if part in recomputed and part not in placed:
-                        placed.add(part)
-                        order.append(part)
-                continue
-            stack.append((i, True))
-            for j in reversed(nodes[i].inputs):
-                if j in recomputed and j not in placed:
-                    stack.append((j, False))
-
-    for i in core:
-        for j in nodes[i].inputs:
-            if j in recomputed:
-                place(j)
-        placed.add(i)
-        order.append(i)
-    for i in reads:
-        if i in recomputed:
-            place(i)
+    for k in range(len(core) + 1):
+        order += sorted(batches.get(k, ()), key=rank.__getitem__)
+        if k < len(core):
+            order.append(core[k])
     return tuple(order)
+
+
+def recompute_gaps(problem: Problem, core: list[int], recomputed: frozenset[int]) -> dict[int, int]:
+    """For each recomputed value, the core position it is placed before (``len(core)``
+    for the end): the first core node that reads it, or the gap of a recomputed
+    consumer if earlier. Outputs of a multi-output op take the op's gap."""
+    nodes = problem.nodes
+    end = len(core)
+    need = {i: end for i in recomputed}
+    for k in range(len(core) - 1, -1, -1):
+        for j in nodes[core[k]].inputs:
+            if j in need:
+                need[j] = k
+    for i in sorted(recomputed, reverse=True):  # consumers come later in problem order
+        for j in nodes[i].inputs:
+            if j in need:
+                need[j] = min(need[j], need[i])
+    return {i: need[nodes[i].output_of] if nodes[i].output_of in need else need[i] for i in need}
 
 
 def _forward_program(problem: Problem, saved: frozenset[int]) -> tuple[int, ...]:

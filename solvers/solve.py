@@ -5,25 +5,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .budget import Budget, InfeasibleBudget, resolve_budget
+from .cpsat import cpsat
 from .heuristics import greedy, recompute_all, store_all
 from .plan import Plan
 from .problem import Problem
 
 Solver = Callable[[Problem, int], Plan]
 
+
+def auto(problem: Problem, budget: int | None = None) -> Plan:
+    """CP-SAT, which starts from the greedy plan and returns it when it finds nothing
+    better in its time limit: never worse than the greedy, with a bound when it can."""
+    return cpsat(problem, budget)
+
+
 SOLVERS: dict[str, Solver] = {
+    "auto": auto,
+    "cpsat": cpsat,
     "greedy": greedy,
     "store-all": store_all,
     "recompute-all": recompute_all,
 }
-
-
-def _auto(problem: Problem, budget: int) -> Plan:
-    """The best solver available: greedy today (CP-SAT joins here when it lands)."""
-    return greedy(problem, budget)
-
-
-SOLVERS["auto"] = _auto
 
 
 def solve(problem: Problem, budget: Budget, solver: str | Solver = "auto") -> Plan:

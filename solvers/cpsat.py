@@ -1,0 +1,181 @@
+"""The optimising solver: CP-SAT on ``Relaxation``, every answer checked by the simulator.
+
+Two phases share the time limit:
+
+1. the linear relaxation alone (prefix-sum memory chains, no exact backward). Its
+   optimum is a lower bound on every plan's cost, usually far stronger than what
+   CP-SAT proves on the full model; its answer, repaired by ``descend`` when it
+   overflows, is a candidate plan. If the answer fits, it is optimal outright.
+2. the full model (the backward exact at every step, the forward relaxed), hinted
+   with the best plan so far. An answer that overflows (in the forward) is cut off
+   (``explain``, or that exact saved set) and the model solved again.
+
+Every plan CP-SAT reports on the way is simulated; the cheapest that fits is
+returned, never worse than the greedy plan it starts from. ``bound`` is the best
+proven bound of either phase, so ``gap`` is honest.
+
+Deterministic: one seed, a limit in CP-SAT's *deterministic* time (a work count,
+the same on every machine) and, with several workers, interleaved search; so every
+rank of a distributed job gets the same plan. One deterministic second is about 1-4
+wall seconds (4 on our 2-core CI machines). A wall-clock cap of ``WALL_FACTOR``
+times the limit guards against pathological models; only if it fires can runs differ.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ortools.sat.python import cp_model
+
+from .budget import InfeasibleBudget
+from .heuristics import descend, greedy, store_all
+from .plan import Plan, evaluate
+from .problem import Problem
+from .relaxation import Relaxation
+
+WALL_FACTOR = 10.0  # wall-clock cap, as a multiple of the deterministic limit
+MAX_SOLUTIONS = 20  # intermediate solutions simulated per round
+BOUND_SHARE = 0.5  # of the time limit, at most, for the linear relaxation
+
+
+class _Collect(cp_model.CpSolverSolutionCallback):
+    """Keep the saved sets of the last few solutions CP-SAT finds in a round."""
+
+    def __init__(self, relax: Relaxation) -> None:
+        super().__init__()
+        self.relax, self.found = relax, []
+
+    def on_solution_callback(self) -> None:
+        saved = frozenset(v for v, var in self.relax.s.items() if self.Value(var))
+        self.found = [*self.found[-(MAX_SOLUTIONS - 1) :], saved]
+
+
+def cpsat(
+    problem: Problem,
+    budget: int | None = None,
+    *,
+    time_limit: float = 2.0,
+    workers: int = 1,
+    seed: int = 0,
+    log: bool = False,
+) -> Plan:
+    """Minimum recompute cost under ``budget`` bytes, with a proven lower bound.
+
+    ``time_limit`` is in CP-SAT deterministic seconds over all rounds (see the
+    module docstring); ``workers`` > 1 searches in parallel, still deterministically.
+    Without a budget, the lowest peak the greedy reaches is the budget. Raises
+    ``InfeasibleBudget`` when no plan fits.
+    """
+    if time_limit <= 0:
+        raise ValueError(f"time_limit must be positive, got {time_limit}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    start = time.perf_counter()
+    if budget is None:
+        budget = greedy(problem).peak
+    try:
+        first = greedy(problem, budget)
+    except InfeasibleBudget:
+        first = None
+    search = _Search(problem, budget, first, workers, seed, log, start + WALL_FACTOR * time_limit)
+    # 1. The linear relaxation alone: its optimum bounds every plan's cost, and its
+    #    answer, repaired, is often a good plan.
+    used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * BOUND_SHARE)
+    # 2. The exact model, hinted with the best plan so far, until optimal or out of time.
+    search.exact_rounds(Relaxation(problem, budget), time_limit - used)
+    best = search.best
+    if best is None:
+        raise InfeasibleBudget(budget, greedy(problem).peak, store_all(problem).peak, problem.name)
+    bound = min(search.bound, best.recompute_cost)
+    closed = search.proven or best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
+    return evaluate(
+        problem,
+        best.saved,
+        solver="cpsat",
+        status="optimal" if closed else "feasible",
+        budget=budget,
+        bound=bound,
+        solve_seconds=time.perf_counter() - start,
+    )
+
+
+class _Search:
+    """The incumbent (cheapest plan that fits, by the simulator) and the proven bound."""
+
+    def __init__(self, problem, budget, best, workers, seed, log, deadline) -> None:
+        self.problem, self.budget, self.best = problem, budget, best
+        self.workers, self.seed, self.log, self.deadline = workers, seed, log, deadline
+        self.bound, self.proven = 0.0, False
+
+    def offer(self, plan: Plan) -> None:
+        if plan.peak <= self.budget and (self.best is None or _cheaper(plan, self.best)):
+            self.best = plan
+
+    def solve(self, relax: Relaxation, seconds: float):
+        if self.best is not None:
+            relax.hint(self.best)
+        solver = _solver(seconds, self.workers, self.seed, self.log, self.deadline)
+        collect = _Collect(relax)
+        status = solver.Solve(relax.model, collect)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            self.bound = max(self.bound, solver.BestObjectiveBound() / relax.scale)
+        plans = [evaluate(self.problem, saved, solver="cpsat") for saved in collect.found]
+        for plan in plans:
+            self.offer(plan)
+        return status, plans, solver.ResponseProto().deterministic_time
+
+    def bound_round(self, relax: Relaxation, seconds: float) -> float:
+        status, plans, used = self.solve(relax, seconds)
+        if status == cp_model.INFEASIBLE and self.best is None:
+            self.proven = True  # not even the relaxation fits: no plan does
+        if plans and plans[-1].peak > self.budget:
+            self.offer(descend(self.problem, plans[-1], self.budget))
+        if status == cp_model.OPTIMAL and plans and plans[-1].peak <= self.budget:
+            self.proven = True  # the relaxation's optimum fits: nothing is cheaper
+        return used
+
+    def exact_rounds(self, relax: Relaxation, seconds: float) -> None:
+        """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat."""
+        while seconds > 0.01 and not self.proven and time.perf_counter() < self.deadline:
+            status, plans, used = self.solve(relax, seconds)
+            seconds -= used
+            if status == cp_model.INFEASIBLE:
+                # every plan fitting the budget satisfies the model and its cuts
+                self.proven = True
+                if self.best is not None:
+                    self.bound = self.best.recompute_cost
+                return
+            if not plans:
+                return  # out of time before any solution
+            answer = plans[-1]
+            if answer.peak <= self.budget:
+                if status == cp_model.OPTIMAL:
+                    self.proven = True
+                    self.bound = max(self.bound, answer.recompute_cost)
+                return
+            _cut(relax, answer)
+            self.offer(descend(self.problem, answer, self.budget))
+
+
+def _cut(relax: Relaxation, plan: Plan) -> None:
+    literals = relax.explain(plan)
+    if literals:
+        relax.forbid(literals)
+    else:
+        relax.forbid_saved_set(plan.saved)
+
+
+def _cheaper(a: Plan, b: Plan) -> bool:
+    return (a.recompute_cost, a.peak) < (b.recompute_cost, b.peak)
+
+
+def _solver(seconds: float, workers: int, seed: int, log: bool, deadline: float):
+    solver = cp_model.CpSolver()
+    params = solver.parameters
+    params.max_deterministic_time = seconds
+    params.max_time_in_seconds = max(0.1, deadline - time.perf_counter())  # the guard
+    params.num_workers = workers
+    params.interleave_search = workers > 1
+    params.random_seed = seed
+    params.log_search_progress = log
+    return solver
