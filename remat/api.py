@@ -241,7 +241,9 @@ class PlanReport:
                     "predicted peak": format_bytes(p.peak),
                     "store-all peak": format_bytes(g.store_all.peak),
                     "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
-                    "solver": f"{p.solver} ({p.status})",
+                    "solver": f"{p.solver} ({p.status}"
+                    + ("" if p.gap is None else f", gap {p.gap:.1%}")
+                    + ")",
                     "plan time": f"{g.plan_seconds:.2f}s",
                 }
             )

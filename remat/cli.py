@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import logging
 import math
 import sys
@@ -148,7 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--solver",
         choices=_solver_names(),
         default="auto",
-        help="planning algorithm (default auto: the best available)",
+        help="planning algorithm (default auto: CP-SAT from the greedy plan)",
+    )
+    limit = _Parser(add_help=False)
+    limit.add_argument(
+        "--time-limit",
+        type=_number(float, lambda v: v > 0, "a positive number of seconds"),
+        default=None,
+        help="CP-SAT's limit per graph, in its deterministic seconds (default 2; about "
+        "1-4 wall seconds each); for --solver auto and cpsat",
     )
 
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -183,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        parents=[model, solver],
+        parents=[model, solver, limit],
         help="what remat saves and recomputes under a budget, and the predicted peak",
         description="Trace MODEL's training step, plan it under --budget and print the plan "
         "of every graph, without training.",
@@ -200,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        parents=[model, solver],
+        parents=[model, solver, limit],
         help="train a few steps with remat and eagerly; compare memory, time, losses",
         description="Train MODEL for --steps SGD steps with remat.optimize under --budget and "
         "eagerly (a copy of the same model), then measure one forward+backward of each and "
@@ -466,7 +475,18 @@ def _load(args, progress: _Progress):
     return model, inputs
 
 
-def _plan(args, model, inputs, budget, solver: str, progress: _Progress):
+def _solver(args):
+    """The --solver name, or CP-SAT carrying --time-limit."""
+    if args.time_limit is None:
+        return args.solver
+    if args.solver not in ("auto", "cpsat"):
+        raise UsageError(f"--time-limit applies to --solver auto or cpsat, not {args.solver}")
+    from remat.solvers.cpsat import cpsat
+
+    return functools.partial(cpsat, time_limit=args.time_limit)
+
+
+def _plan(args, model, inputs, budget, solver, progress: _Progress):
     import remat
 
     progress(f"tracing {args.model} (dynamo + AOTAutograd) and planning (budget {budget})...")
@@ -596,7 +616,7 @@ def format_seconds(s: float) -> str:
 
 def cmd_plan(args, progress: _Progress) -> int:
     model, inputs = _load(args, progress)
-    report = _plan(args, model, inputs, args.budget, args.solver, progress)
+    report = _plan(args, model, inputs, args.budget, _solver(args), progress)
     print(plan_table(report, args.budget))
     return EXIT_OK
 
@@ -619,6 +639,8 @@ def plan_table(report, budget: str) -> str:
         ("recompute overhead", lambda g: f"+{_overhead(g):.1%} of forward"),
         ("solver", lambda g: g.plan.solver),
         ("status", lambda g: g.plan.status),
+        ("lower bound", lambda g: "-" if g.plan.bound is None else format_seconds(g.plan.bound)),
+        ("gap", lambda g: "-" if g.plan.gap is None else f"{g.plan.gap:.1%}"),
         ("solve time", lambda g: f"{g.plan.solve_seconds:.3f} s"),
         ("plan time", lambda g: f"{g.plan_seconds:.3f} s"),
     ]
@@ -663,7 +685,7 @@ def cmd_train(args, progress: _Progress) -> int:
         optimized = remat.optimize(
             model,
             parse_budget(args.budget),
-            solver=args.solver,
+            solver=_solver(args),
             compiler=args.compiler,
             cost_model=args.cost_model,
         )

@@ -132,6 +132,7 @@ class _Search:
             self.offer(descend(self.problem, plans[-1], self.budget))
         if status == cp_model.OPTIMAL and plans and plans[-1].peak <= self.budget:
             self.proven = True  # the relaxation's optimum fits: nothing is cheaper
+            self.bound = max(self.bound, plans[-1].recompute_cost)
         return used
 
     def exact_rounds(self, relax: Relaxation, seconds: float) -> None:

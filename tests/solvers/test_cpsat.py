@@ -1,0 +1,418 @@
+"""Properties of the CP-SAT solver (``cpsat.py``) and its model (``relaxation.py``).
+
+The model's claims, checked on random problems and random saved sets:
+
+- every plan's canonical assignment satisfies the model (exact, and the linear
+  relaxation ``exact=False``) at a budget of the plan's own simulated peak, with
+  the plan's recompute cost as objective: costs are floored to integer units of
+  ``1 / scale`` (the costliest relevant node is ``COST_RESOLUTION`` units), so the
+  objective is never above the cost and below it by under one unit per recomputed node;
+- the backward memory is exact: a plan whose peak is in the backward (above its
+  forward peak) is infeasible in the exact model one byte under that peak;
+- saving a free view is the same plan as saving its root (the model's reduction).
+
+The solver's claims: valid plans that fit the budget, an honest bound, never
+worse than the greedy, deterministic, a refusal only when no plan fits, and on
+tiny problems (at most ``EXHAUSTIVE_MAX`` savable values) "optimal" means the
+minimum over every saved set, found by exhaustive search.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, event, example, given, note, settings
+from hypothesis import strategies as st
+from ortools.sat.python import cp_model
+from test_properties import (
+    SETTINGS,
+    any_problem,
+    check_plan,
+    joint_graphs,
+    minimum_peak,
+    problems,
+    savable_subsets,
+)
+
+from remat.solvers import (
+    InfeasibleBudget,
+    InvalidPlan,
+    Plan,
+    Problem,
+    evaluate,
+    greedy,
+    solve,
+    store_all,
+)
+from remat.solvers.cpsat import cpsat
+from remat.solvers.heuristics import savable
+from remat.solvers.relaxation import COST_RESOLUTION, Relaxation, without_free_views
+from remat.solvers.synthetic import random_joint
+
+FILTERING = dict(
+    SETTINGS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
+EXHAUSTIVE_MAX = 12  # savable values: 2**12 saved sets at most
+REL = 1e-6
+
+
+def tol(x: float) -> float:
+    """Float noise on a cost."""
+    return 1e-9 * max(1.0, abs(x))
+
+
+def resolution(problem: Problem) -> float:
+    """An upper bound on one objective unit, ``1 / scale``, in cost."""
+    return max((n.cost for n in problem.nodes if n.phase == "fwd"), default=0.0) / COST_RESOLUTION
+
+
+def floor_slack(problem: Problem, plan: Plan) -> float:
+    """How far below the true cost flooring may put a bound: one unit per recomputed node."""
+    return len(plan.recomputed) * resolution(problem) + tol(plan.recompute_cost)
+
+
+def size_bucket(problem: Problem) -> str:
+    n = len(problem.forward_nodes)
+    return "<=30" if n <= 30 else "<=100" if n <= 100 else ">100"
+
+
+def time_limit_for(problem: Problem) -> float:
+    """Deterministic seconds: enough to prove small problems, short on big ones."""
+    n = len(problem.forward_nodes)
+    return 1.0 if n <= 30 else 0.3 if n <= 100 else 0.1
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+@st.composite
+def sized_joint_graphs(draw, low: int, high: int) -> Problem:
+    """``random_joint`` with at least ``low`` forward nodes (hypothesis favours tiny ones)."""
+    return random_joint(
+        draw(st.integers(low, high)),
+        draw(st.integers(0, 2**32 - 1)),
+        max_inputs=draw(st.integers(1, 4)),
+        p_view=draw(st.sampled_from([0.0, 0.1, 0.3])),
+        p_random=draw(st.sampled_from([0.0, 0.05, 0.3])),
+        p_multi=draw(st.sampled_from([0.0, 0.05, 0.2])),
+    )
+
+
+def solver_problems(high: int = 200):
+    """Any problem, a good share of them with over 30 forward nodes."""
+    return st.one_of(any_problem(high), sized_joint_graphs(31, high))
+
+
+def tiny_problems():
+    """Mostly problems with at most ``EXHAUSTIVE_MAX`` savable values (tests assume it)."""
+    return st.one_of(problems(max_steps=12), joint_graphs(max_forward=11))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def solve_fixed(problem: Problem, plan: Plan, budget: int, *, exact: bool = True):
+    """Fix every variable the canonical assignment names and solve for the rest."""
+    relax = Relaxation(problem, budget, exact=exact)
+    for var, value in relax.canonical(plan).items():
+        relax.model.Add(var == value)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = 60.0
+    status = solver.Solve(relax.model)
+    return relax, solver, status
+
+
+def plan_of(problem: Problem, saved) -> Plan:
+    try:
+        return evaluate(problem, saved, solver="test")
+    except InvalidPlan:
+        assume(False)
+        raise
+
+
+@functools.lru_cache(maxsize=256)
+def all_plans(problem: Problem) -> tuple[tuple[int, float, frozenset[int]], ...]:
+    """(peak, recompute cost, saved) of every saved set that is a plan."""
+    values = sorted(savable(problem))
+    seen: dict[frozenset[int], tuple[int, float]] = {}
+    for k in range(len(values) + 1):
+        for subset in itertools.combinations(values, k):
+            try:
+                plan = evaluate(problem, subset, solver="exhaustive")
+            except InvalidPlan:
+                continue
+            seen[plan.saved] = (plan.peak, plan.recompute_cost)
+    return tuple((peak, cost, saved) for saved, (peak, cost) in seen.items())
+
+
+def exhaustive_minimum(problem: Problem, budget: int) -> float | None:
+    return min((cost for peak, cost, _ in all_plans(problem) if peak <= budget), default=None)
+
+
+def assert_solver_plan(problem: Problem, plan: Plan, budget: int) -> None:
+    """What every cpsat answer promises, whatever its status."""
+    check_plan(problem, plan)
+    assert plan.solver == "cpsat"
+    assert plan.budget == budget
+    assert plan.peak <= budget
+    assert plan.status in ("optimal", "feasible")
+    assert plan.bound is not None
+    assert plan.recompute_cost >= plan.bound - tol(plan.recompute_cost)
+    assert 0.0 <= plan.gap <= 1.0
+    if plan.status == "optimal":  # up to the objective's integer resolution
+        assert plan.recompute_cost - plan.bound <= floor_slack(problem, plan)
+
+
+def draw_budget(data, problem: Problem) -> int:
+    """A fraction of the way from greedy's minimum peak up to the store-all peak."""
+    full = store_all(problem).peak
+    minimum = minimum_peak(problem)
+    fraction = data.draw(
+        st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0)), label="fraction"
+    )
+    return max(1, minimum + int(fraction * (full - minimum)))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def check_canonical(problem: Problem, plan: Plan, *, exact: bool = True) -> None:
+    relax, solver, status = solve_fixed(problem, plan, plan.peak, exact=exact)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), (
+        f"canonical assignment of saved={sorted(plan.saved)} is {solver.StatusName(status)} "
+        f"(exact={exact}) at budget = its peak {plan.peak} ({plan.timeline.peak_phase})"
+    )
+    objective = solver.ObjectiveValue() / relax.scale
+    cost = plan.recompute_cost
+    # floored per node: never above the cost, under it by < 1 unit per recomputed node
+    assert objective <= cost + tol(cost)
+    assert cost - objective <= len(plan.recomputed) / relax.scale + tol(cost)
+
+
+def check_exact_backward(problem: Problem, plan: Plan) -> bool:
+    """A backward peak above the forward one is exact: one byte less is infeasible."""
+    timeline = plan.timeline
+    if timeline.peak_phase != "bwd" or timeline.forward_peak >= plan.peak or plan.peak < 1:
+        return False
+    _, solver, status = solve_fixed(problem, plan, plan.peak - 1)
+    assert status == cp_model.INFEASIBLE, (
+        f"canonical assignment of saved={sorted(plan.saved)} is {solver.StatusName(status)} "
+        f"at budget {plan.peak - 1}, one under its backward peak {plan.peak} "
+        f"(forward peak {timeline.forward_peak})"
+    )
+    return True
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(200))
+def test_canonical_assignment_satisfies_the_model(data, problem):
+    saved = data.draw(savable_subsets(problem), label="saved")
+    plan = plan_of(problem, saved)
+    check_canonical(problem, plan, exact=True)
+    check_canonical(problem, plan, exact=False)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(120))
+def test_backward_memory_is_exact(data, problem):
+    saved = data.draw(savable_subsets(problem), label="saved")
+    plan = plan_of(problem, saved)
+    assume(check_exact_backward(problem, plan))
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(problem=solver_problems(200))
+def test_canonical_assignment_of_the_fixed_plans(problem):
+    for make in (store_all, greedy):
+        plan = make(problem)
+        check_canonical(problem, plan)
+        check_exact_backward(problem, plan)
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(data=st.data(), problem=any_problem(60))
+def test_saving_a_free_view_is_saving_its_root(data, problem):
+    saved = data.draw(savable_subsets(problem), label="saved")
+    plan = plan_of(problem, saved)
+    reduced = evaluate(problem, without_free_views(problem, plan.saved), solver="test")
+    assert reduced.peak == plan.peak
+    assert math.isclose(reduced.recompute_cost, plan.recompute_cost, rel_tol=1e-12, abs_tol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the solver
+
+
+@settings(max_examples=24, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(200))
+def test_cpsat_plans_fit_and_beat_greedy(data, problem):
+    budget = draw_budget(data, problem)
+    plan = cpsat(problem, budget, time_limit=time_limit_for(problem))
+    note(f"{plan}, bound {plan.bound!r}")
+    assert_solver_plan(problem, plan, budget)
+    base = greedy(problem, budget)  # fits: budget >= greedy's minimum
+    assert plan.recompute_cost <= base.recompute_cost + tol(base.recompute_cost)
+    event(f"fwd nodes {size_bucket(problem)}, {plan.status}")
+    event("beats greedy" if plan.recompute_cost < base.recompute_cost - 1e-9 else "ties greedy")
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(problem=any_problem(60))
+def test_cpsat_without_budget_uses_greedys_minimum(problem):
+    plan = cpsat(problem, time_limit=time_limit_for(problem))
+    assert_solver_plan(problem, plan, minimum_peak(problem))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(120))
+def test_cpsat_below_greedys_minimum_fits_or_refuses(data, problem):
+    minimum = minimum_peak(problem)
+    assume(minimum > 1)
+    budget = data.draw(st.integers(max(1, minimum // 2), minimum - 1), label="budget")
+    try:
+        plan = cpsat(problem, budget, time_limit=time_limit_for(problem))
+    except InfeasibleBudget as e:
+        event("refused")
+        assert e.minimum > budget
+        assert e.budget == budget
+    else:
+        event("fits below greedy's minimum")
+        assert_solver_plan(problem, plan, budget)
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(100))
+def test_cpsat_is_deterministic(data, problem):
+    budget = draw_budget(data, problem)
+    limit = time_limit_for(problem)
+    twin = Problem(problem.nodes, problem.outputs, problem.grads, name=problem.name)
+    a = cpsat(problem, budget, time_limit=limit, seed=3)
+    b = cpsat(twin, budget, time_limit=limit, seed=3)
+    assert a.saved == b.saved
+    assert (a.status, a.bound, a.recompute_cost) == (b.status, b.bound, b.recompute_cost)
+
+
+@settings(max_examples=30, **SETTINGS)
+@example(problem=random_joint(5, 0, max_inputs=1, p_view=0.1))
+@given(problem=any_problem(40))
+def test_optimal_means_zero_gap(problem):
+    """``Plan.gap``: 0 when proven optimal (the bound of an optimal plan is its cost)."""
+    plan = cpsat(problem, time_limit=time_limit_for(problem))
+    if plan.status == "optimal":
+        note(f"cost {plan.recompute_cost!r}, bound {plan.bound!r}")
+        assert plan.gap == 0.0
+
+
+# ----------------------------------------------------------------------------- tiny problems
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data(), problem=tiny_problems())
+def test_cpsat_is_optimal_on_tiny_problems(data, problem):
+    assume(len(savable(problem)) <= EXHAUSTIVE_MAX)
+    peaks = sorted({peak for peak, _, _ in all_plans(problem)})
+    full = store_all(problem).peak
+    # the plans' own peaks are the tightest budgets (below greedy's minimum too):
+    # mostly binding ones, under the store-all peak
+    binding = [peak for peak in peaks if peak < full] or peaks
+    budget = data.draw(
+        st.one_of(st.sampled_from(binding), st.integers(peaks[0], max(peaks[0], full))),
+        label="budget",
+    )
+    assume(budget >= 1)
+    expected = exhaustive_minimum(problem, budget)
+    assert expected is not None
+    plan = cpsat(problem, budget, time_limit=5.0)
+    note(f"{plan}, bound {plan.bound!r}; exhaustive minimum {expected!r}")
+    event(f"savable {len(savable(problem))}, {plan.status}")
+    event("below greedy's minimum" if budget < minimum_peak(problem) else "greedy fits")
+    event("binding" if budget < full else "store-all fits")
+    assert_solver_plan(problem, plan, budget)
+    slack = len(savable(problem)) * resolution(problem)  # the floored objective's blur
+    assert plan.recompute_cost >= expected - tol(expected)
+    assert plan.bound <= expected + REL * max(1.0, expected)  # a bound on the true optimum
+    assert plan.status == "optimal", "not proven optimal in 5 deterministic seconds"
+    assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+
+
+@settings(max_examples=20, **FILTERING)
+@given(data=st.data(), problem=tiny_problems())
+def test_cpsat_finds_plans_greedy_cannot(data, problem):
+    """Under greedy's minimum peak cpsat starts with no plan; it still refuses only
+    when no plan fits, and is optimal where one does."""
+    assume(len(savable(problem)) <= EXHAUSTIVE_MAX)
+    minimum = minimum_peak(problem)
+    peaks = sorted({peak for peak, _, _ in all_plans(problem) if peak < minimum})
+    assume(peaks and peaks[-1] >= 1)
+    budget = data.draw(st.sampled_from([p for p in peaks if p >= 1]), label="budget")
+    expected = exhaustive_minimum(problem, budget)
+    try:
+        plan = cpsat(problem, budget, time_limit=5.0)
+    except InfeasibleBudget:
+        raise AssertionError(f"refused, yet a plan peaks at {budget} (cost {expected!r})") from None
+    note(f"{plan}, bound {plan.bound!r}; exhaustive minimum {expected!r}")
+    assert_solver_plan(problem, plan, budget)
+    assert plan.status == "optimal", "not proven optimal in 5 deterministic seconds"
+    slack = len(savable(problem)) * resolution(problem)
+    assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(data=st.data(), problem=tiny_problems())
+def test_budget_below_every_plan_is_refused(data, problem):
+    assume(len(savable(problem)) <= EXHAUSTIVE_MAX)
+    lowest = min(peak for peak, _, _ in all_plans(problem))
+    assume(lowest >= 1)
+    budget = data.draw(st.integers(0, lowest - 1), label="budget")
+    with pytest.raises(InfeasibleBudget) as info:
+        cpsat(problem, budget, time_limit=2.0)
+    assert info.value.minimum > budget
+    assert info.value.budget == budget
+
+
+# ----------------------------------------------------------------------------- the API
+
+
+def small_problem() -> Problem:
+    return random_joint(8, 1)
+
+
+@pytest.mark.parametrize("limit", [0, 0.0, -1.0])
+def test_time_limit_must_be_positive(limit):
+    with pytest.raises(ValueError, match="time_limit"):
+        cpsat(small_problem(), time_limit=limit)
+
+
+@pytest.mark.parametrize("workers", [0, -2])
+def test_workers_must_be_at_least_one(workers):
+    with pytest.raises(ValueError, match="workers"):
+        cpsat(small_problem(), workers=workers)
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(data=st.data(), problem=any_problem(25))
+def test_solve_with_cpsat_auto_and_a_callable(data, problem):
+    budget = draw_budget(data, problem)
+    base = greedy(problem, budget)
+    solvers = (
+        "cpsat",
+        "auto",
+        functools.partial(cpsat, time_limit=0.5),
+        lambda p, b: cpsat(p, b, time_limit=0.2),
+    )
+    for solver in solvers:
+        plan = solve(problem, budget, solver=solver)
+        assert_solver_plan(problem, plan, budget)
+        assert plan.recompute_cost <= base.recompute_cost + tol(base.recompute_cost)
+
+
+def test_solve_with_cpsat_and_a_fraction():
+    problem = small_problem()
+    full = store_all(problem).peak
+    plan = solve(problem, 1.0, solver="cpsat")
+    assert_solver_plan(problem, plan, full)
+    assert plan.recompute_cost == 0
