@@ -5,14 +5,17 @@ Two phases share the time limit:
 1. the linear relaxation alone (prefix-sum memory chains, no exact backward). Its
    optimum is a lower bound on every plan's cost, usually far stronger than what
    CP-SAT proves on the full model; its answer, repaired by ``descend`` when it
-   overflows, is a candidate plan. If the answer fits, it is optimal outright.
+   overflows and polished by ``fill``, is a candidate plan. If the answer fits, it is
+   optimal outright.
 2. the full model (the backward exact at every step, the forward relaxed), hinted
    with the best plan so far. An answer that overflows (in the forward) is cut off
    (``explain``, or that exact saved set) and the model solved again.
 
-Every plan CP-SAT reports on the way is simulated; the cheapest that fits is
-returned, never worse than the greedy plan it starts from. ``bound`` is the best
-proven bound of either phase, so ``gap`` is honest.
+Each solve's final answer is simulated (not the intermediate ones: which of those
+CP-SAT reports depends on thread timing, its final answer does not); the cheapest
+that fits is returned (``fill``-polished), never worse than the greedy plan it
+starts from (also polished). ``bound`` is the best proven bound of either phase, so
+``gap`` is honest.
 
 Deterministic: one seed, a limit in CP-SAT's *deterministic* time (a work count,
 the same on every machine) and, with several workers, interleaved search; so every
@@ -29,26 +32,13 @@ import time
 from ortools.sat.python import cp_model
 
 from .budget import InfeasibleBudget
-from .heuristics import descend, greedy, store_all
+from .heuristics import descend, fill, greedy, store_all
 from .plan import Plan, evaluate
 from .problem import Problem
 from .relaxation import Relaxation
 
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
-MAX_SOLUTIONS = 20  # intermediate solutions simulated per round
 BOUND_SHARE = 0.5  # of the time limit, at most, for the linear relaxation
-
-
-class _Collect(cp_model.CpSolverSolutionCallback):
-    """Keep the saved sets of the last few solutions CP-SAT finds in a round."""
-
-    def __init__(self, relax: Relaxation) -> None:
-        super().__init__()
-        self.relax, self.found = relax, []
-
-    def on_solution_callback(self) -> None:
-        saved = frozenset(v for v, var in self.relax.s.items() if self.Value(var))
-        self.found = [*self.found[-(MAX_SOLUTIONS - 1) :], saved]
 
 
 def cpsat(
@@ -77,7 +67,7 @@ def cpsat(
     if budget is None:
         budget = greedy(problem).peak
     try:
-        first = greedy(problem, budget)
+        first = fill(problem, greedy(problem, budget), budget)
     except InfeasibleBudget:
         first = None
     search = _Search(problem, budget, first, workers, seed, log)
@@ -87,6 +77,8 @@ def cpsat(
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time.
     search.exact_rounds(Relaxation(problem, budget), time_limit - used)
     best = search.best
+    if best is not None and not search.proven:
+        best = fill(problem, best, budget)
     if best is None:
         raise InfeasibleBudget(budget, greedy(problem).peak, store_all(problem).peak, problem.name)
     bound = min(search.bound, best.recompute_cost)
@@ -111,20 +103,24 @@ class _Search:
         self.bound, self.proven = 0.0, False
 
     def offer(self, plan: Plan) -> None:
-        if plan.peak <= self.budget and (self.best is None or _cheaper(plan, self.best)):
+        if plan.peak <= self.budget and (self.best is None or _key(plan) < _key(self.best)):
             self.best = plan
+
+    def repair(self, plan: Plan) -> Plan:
+        """An overflowing answer pushed under the budget, then polished back up."""
+        fixed = descend(self.problem, plan, self.budget)
+        return fill(self.problem, fixed, self.budget) if fixed.peak <= self.budget else fixed
 
     def solve(self, relax: Relaxation, seconds: float):
         if self.best is not None:
             relax.hint(self.best)
         solver = _solver(seconds, self.workers, self.seed, self.log)
-        collect = _Collect(relax)
-        status = solver.Solve(relax.model, collect)
+        status = solver.Solve(relax.model)
+        plans = []
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.bound = max(self.bound, solver.BestObjectiveBound() / relax.scale)
-        plans = [evaluate(self.problem, saved, solver="cpsat") for saved in collect.found]
-        for plan in plans:
-            self.offer(plan)
+            plans.append(evaluate(self.problem, relax.saved_set(solver), solver="cpsat"))
+            self.offer(plans[-1])
         return status, plans, solver.ResponseProto().deterministic_time
 
     def bound_round(self, relax: Relaxation, seconds: float) -> float:
@@ -132,7 +128,7 @@ class _Search:
         if status == cp_model.INFEASIBLE and self.best is None:
             self.proven = True  # not even the relaxation fits: no plan does
         if plans and plans[-1].peak > self.budget:
-            self.offer(descend(self.problem, plans[-1], self.budget))
+            self.offer(self.repair(plans[-1]))
         if status == cp_model.OPTIMAL and plans and plans[-1].peak <= self.budget:
             self.proven = True  # the relaxation's optimum fits: nothing is cheaper
             self.bound = max(self.bound, plans[-1].recompute_cost)
@@ -158,7 +154,7 @@ class _Search:
                     self.bound = max(self.bound, answer.recompute_cost)
                 return
             _cut(relax, answer)
-            self.offer(descend(self.problem, answer, self.budget))
+            self.offer(self.repair(answer))
 
 
 def _cut(relax: Relaxation, plan: Plan) -> None:
@@ -169,8 +165,10 @@ def _cut(relax: Relaxation, plan: Plan) -> None:
         relax.forbid_saved_set(plan.saved)
 
 
-def _cheaper(a: Plan, b: Plan) -> bool:
-    return (a.recompute_cost, a.peak) < (b.recompute_cost, b.peak)
+def _key(plan: Plan) -> tuple:
+    """Cheapest, then lowest peak, then the saved set itself: a total order, so the
+    choice never depends on the order plans arrive in."""
+    return (plan.recompute_cost, plan.peak, sorted(plan.saved))
 
 
 def _solver(seconds: float, workers: int, seed: int, log: bool) -> cp_model.CpSolver:

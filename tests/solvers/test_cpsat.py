@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, assume, event, example, given, note, settings
@@ -416,3 +418,23 @@ def test_solve_with_cpsat_and_a_fraction():
     plan = solve(problem, 1.0, solver="cpsat")
     assert_solver_plan(problem, plan, full)
     assert plan.recompute_cost == 0
+
+
+def test_cpsat_plan_is_the_same_in_fresh_processes():
+    """What distributed ranks see: separate processes, separate thread timings."""
+    code = (
+        "from remat.solvers import greedy, store_all\n"
+        "from remat.solvers.cpsat import cpsat\n"
+        "from remat.solvers.synthetic import random_joint\n"
+        "p = random_joint(90, 56)\n"
+        "lo, hi = greedy(p).peak, store_all(p).peak\n"
+        "plan = cpsat(p, lo + (hi - lo) // 3, time_limit=0.3)\n"
+        "print(plan.status, plan.recompute_cost, sorted(plan.saved))\n"
+    )
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(3)
+    }
+    assert len(runs) == 1, runs
