@@ -15,18 +15,23 @@ view) is never rebuilt. So every saved set has exactly one assignment, its
 *canonical* one, and the objective is its recompute cost (costs floored to integers,
 which keeps the bound a bound).
 
-Memory is a **lower bound** of the simulator's, checked at points that exist in
-every plan: each forward step the outputs need and each backward step the
-gradients need, plus each recompute's own step. Lifetimes are what every plan
-guarantees: a saved storage lives until its last backward reader, a recomputed one
-at least from its first to its last, and earlier when a recomputed consumer needs
-it earlier. The sums run as prefix chains (one integer per step, O(n) terms), the
-encoding that CP-SAT proves fastest here (shared/solver-notes.md).
+Memory, two layers:
 
-Because every feasible plan's canonical assignment satisfies the model, the model's
+- a **lower bound** of the simulator's, checked at points that exist in every plan:
+  each forward step the outputs need, each backward step the gradients need, each
+  recompute's own step, the backward's first step. Lifetimes are what every plan
+  guarantees: a saved storage lives until its last backward reader, a recomputed one
+  at least from its first to its last, and earlier when a recomputed consumer needs
+  it earlier. The sums run as prefix chains (one integer per step, O(n) terms), the
+  encoding CP-SAT solves fastest (shared/solver-notes.md). Alone (``exact=False``) this
+  is a linear relaxation whose optimum bounds every plan's cost;
+- the **exact backward** (``_exact_backward``): every backward step, as one cumulative
+  over the schedule's own order. The forward stays a lower bound.
+
+Every feasible plan's canonical assignment satisfies the model, so the model's
 optimum bounds the true optimum from below. The solver checks each answer with the
-simulator; where the relaxation was too loose, ``explain`` names a small set of
-decisions that provably overflow the budget, and the solver forbids them together.
+simulator; where the forward was too loose, ``explain`` names the saved values that
+provably overflow it together, and the solver forbids them.
 """
 
 from __future__ import annotations
@@ -583,13 +588,3 @@ class Relaxation:
             [self.s[v].Not() for v in sorted(saved) if v in self.s]
             + [self.s[v] for v in sorted(self.s) if v not in saved]
         )
-
-
-def _unique(literals: list) -> list:
-    seen, out = set(), []
-    for lit in literals:
-        key = (lit.Index(), str(lit))
-        if key not in seen:
-            seen.add(key)
-            out.append(lit)
-    return out
