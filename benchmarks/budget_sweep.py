@@ -11,12 +11,11 @@ median of ``--repeat`` steps. Eager runs the same model uncompiled.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 from pathlib import Path
 
 import torch
+from _output import write_rows
 from tabulate import tabulate
 
 import remat
@@ -105,15 +104,7 @@ def main(argv=None) -> int:
         for r in rows
     ]
     print(tabulate(table, headers="keys", floatfmt=".4f"))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
-    if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    write_rows(rows, args.json, args.csv)
     return 0
 
 

@@ -13,13 +13,12 @@ Every plan is re-scheduled and re-simulated here and must peak within its budget
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
-import json
 import sys
 import time
 from pathlib import Path
 
+from _output import write_rows
 from tabulate import tabulate
 
 from remat.solvers import (
@@ -146,15 +145,7 @@ def main(argv=None) -> int:
                 )
 
     print(tabulate([display(r) for r in rows], headers="keys", tablefmt="github"))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
-    if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    write_rows(rows, args.json, args.csv)
     return 1 if any(r["status"].startswith("INVALID") for r in rows) else 0
 
 
