@@ -32,7 +32,7 @@ import time
 from ortools.sat.python import cp_model
 
 from .budget import InfeasibleBudget
-from .heuristics import descend, fill, greedy, store_all
+from .heuristics import descend, fill, greedy
 from .plan import Plan, evaluate
 from .problem import Problem
 from .relaxation import Relaxation
@@ -64,12 +64,13 @@ def cpsat(
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     start = time.perf_counter()
-    if budget is None:
-        budget = greedy(problem).peak
+    refusal = None
     try:
-        first = fill(problem, greedy(problem, budget), budget)
-    except InfeasibleBudget:
-        first = None
+        first = greedy(problem, budget)
+        budget = first.peak if budget is None else budget
+        first = fill(problem, first, budget)
+    except InfeasibleBudget as e:
+        first, refusal = None, e  # CP-SAT may still find a plan the greedy cannot
     search = _Search(problem, budget, first, workers, seed, log)
     # 1. The linear relaxation alone: its optimum bounds every plan's cost, and its
     #    answer, repaired, is often a good plan.
@@ -80,7 +81,7 @@ def cpsat(
     if best is not None and not search.proven:
         best = fill(problem, best, budget)
     if best is None:
-        raise InfeasibleBudget(budget, greedy(problem).peak, store_all(problem).peak, problem.name)
+        raise refusal
     bound = min(search.bound, best.recompute_cost)
     closed = search.proven or best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
     return evaluate(
@@ -112,32 +113,35 @@ class _Search:
         return fill(self.problem, fixed, self.budget) if fixed.peak <= self.budget else fixed
 
     def solve(self, relax: Relaxation, seconds: float):
+        """One CP-SAT solve: (status, its answer simulated or None, deterministic time)."""
         if self.best is not None:
             relax.hint(self.best)
         solver = _solver(seconds, self.workers, self.seed, self.log)
         status = solver.Solve(relax.model)
-        plans = []
+        answer = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.bound = max(self.bound, solver.BestObjectiveBound() / relax.scale)
-            plans.append(evaluate(self.problem, relax.saved_set(solver), solver="cpsat"))
-            self.offer(plans[-1])
-        return status, plans, solver.ResponseProto().deterministic_time
+            answer = evaluate(self.problem, relax.saved_set(solver), solver="cpsat")
+            self.offer(answer)
+        return status, answer, solver.ResponseProto().deterministic_time
 
     def bound_round(self, relax: Relaxation, seconds: float) -> float:
-        status, plans, used = self.solve(relax, seconds)
-        if status == cp_model.INFEASIBLE and self.best is None:
-            self.proven = True  # not even the relaxation fits: no plan does
-        if plans and plans[-1].peak > self.budget:
-            self.offer(self.repair(plans[-1]))
-        if status == cp_model.OPTIMAL and plans and plans[-1].peak <= self.budget:
+        status, answer, used = self.solve(relax, seconds)
+        if answer is None:
+            # out of time, or not even the relaxation fits: then no plan does
+            self.proven = status == cp_model.INFEASIBLE and self.best is None
+            return used
+        if answer.peak > self.budget:
+            self.offer(self.repair(answer))
+        elif status == cp_model.OPTIMAL:
             self.proven = True  # the relaxation's optimum fits: nothing is cheaper
-            self.bound = max(self.bound, plans[-1].recompute_cost)
+            self.bound = max(self.bound, answer.recompute_cost)
         return used
 
     def exact_rounds(self, relax: Relaxation, seconds: float) -> None:
         """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat."""
         while seconds > 0.01 and not self.proven:
-            status, plans, used = self.solve(relax, seconds)
+            status, answer, used = self.solve(relax, seconds)
             seconds -= used
             if status == cp_model.INFEASIBLE:
                 # every plan fitting the budget satisfies the model and its cuts
@@ -145,9 +149,8 @@ class _Search:
                 if self.best is not None:
                     self.bound = self.best.recompute_cost
                 return
-            if not plans:
+            if answer is None:
                 return  # out of time before any solution
-            answer = plans[-1]
             if answer.peak <= self.budget:
                 if status == cp_model.OPTIMAL:
                     self.proven = True
