@@ -68,15 +68,23 @@ def resolve_budget(budget: Budget, store_all_peak: int) -> int:
 
 
 class InfeasibleBudget(ValueError):
-    """The budget is below the smallest peak remat can reach; ``minimum`` names it."""
+    """The budget is below the smallest peak remat can reach; ``minimum`` names it.
 
-    def __init__(self, budget: int, minimum: int, store_all: int, graph: str = "") -> None:
+    ``proven``: a solver proved that no plan at all fits the budget (not only that it
+    found none).
+    """
+
+    def __init__(
+        self, budget: int, minimum: int, store_all: int, graph: str = "", proven: bool = False
+    ) -> None:
         self.budget, self.minimum, self.store_all = budget, minimum, store_all
+        self.proven = proven
         where = f" for graph {graph}" if graph else ""
+        proof = " No plan fits this budget (proven by CP-SAT)." if proven else ""
         super().__init__(
             f"budget {format_bytes(budget)} is below the smallest peak remat can reach{where}: "
             f"{format_bytes(minimum)} ({minimum} bytes, {minimum / max(store_all, 1):.1%} of the "
-            f"store-all peak {format_bytes(store_all)}). Raise the budget to at least "
+            f"store-all peak {format_bytes(store_all)}).{proof} Raise the budget to at least "
             f"{minimum} bytes."
         )
 

@@ -81,7 +81,8 @@ def cpsat(
     if best is not None and not search.proven:
         best = fill(problem, best, budget)
     if best is None:
-        raise refusal
+        r = refusal
+        raise InfeasibleBudget(r.budget, r.minimum, r.store_all, problem.name, search.proven)
     bound = min(search.bound, best.recompute_cost)
     closed = search.proven or best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
     return evaluate(

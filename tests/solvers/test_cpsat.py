@@ -52,7 +52,7 @@ from remat.solvers import (
 from remat.solvers.cpsat import cpsat
 from remat.solvers.heuristics import savable
 from remat.solvers.relaxation import COST_RESOLUTION, Relaxation, without_free_views
-from remat.solvers.synthetic import random_joint
+from remat.solvers.synthetic import chain, random_joint
 
 FILTERING = dict(
     SETTINGS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
@@ -438,3 +438,12 @@ def test_cpsat_plan_is_the_same_in_fresh_processes():
         for _ in range(3)
     }
     assert len(runs) == 1, runs
+
+
+def test_refusal_says_when_it_is_proven():
+    """Below what the backward alone holds, the relaxation is infeasible: a proof."""
+    problem = chain(6)
+    with pytest.raises(InfeasibleBudget) as refusal:
+        cpsat(problem, 1024)
+    assert refusal.value.proven and "proven by CP-SAT" in str(refusal.value)
+    assert refusal.value.minimum == greedy(problem).peak
