@@ -36,6 +36,7 @@ provably overflow it together, and the solver forbids them.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from ortools.sat.python import cp_model
@@ -108,6 +109,9 @@ class Relaxation:
         n_core = len(core)
         self.held = {storage[i] for i in problem.outputs}
         self.relevant = self._relevant(reads)
+        self.members: dict[int, list[int]] = {}  # storage root -> relevant nodes sharing it
+        for v in sorted(self.relevant):
+            self.members.setdefault(storage[v], []).append(v)
         self._timings(core)
         self.free_views = free_views(problem) & self.relevant
         self.base_order = _forward_program(problem, frozenset())
@@ -215,8 +219,7 @@ class Relaxation:
             if root in self.kept:
                 m.Add(self.kept[root] >= s[v])
         for R, var in self.kept.items():
-            members = [v for v in self.relevant if storage[v] == R]
-            m.Add(var <= sum(s[v] for v in members))
+            m.Add(var <= sum(s[v] for v in self.members[R]))
 
     def _objective(self) -> None:
         """Recompute cost of what the forward also runs, floored to integer units."""
@@ -234,7 +237,6 @@ class Relaxation:
                 terms.append(units * paid)
             else:
                 terms.append(units * self.r[v])
-        self.units = {v: math.floor(nodes[v].cost * self.scale) for v in self.relevant}
         m.Minimize(sum(terms))
 
     def _forward_memory(self) -> None:
@@ -244,17 +246,21 @@ class Relaxation:
         nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
         order = self.base_order
         run = _run(problem, "fwd", order, {}, self.held)
-        last = {}
+        self.forward_live = [live for _, _, live in run.steps]
+        last, self.forward_made = {}, {}
         for p, i in enumerate(order):
             for j in (*nodes[i].inputs, i, *parts[i]):
                 last[storage[j]] = p
+            for j in (i, *parts[i]):
+                self.forward_made.setdefault(storage[j], p)
+        self.forward_last = last
         deltas: dict[int, list] = {}
         for R, var in self.kept.items():
             if R in last:  # allocated with nothing saved: kept past its last use
                 start = last[R] + 1
             else:  # runs only to be saved: kept from when it (or its op) runs
                 made = nodes[R].output_of if nodes[R].output_of is not None else R
-                start = next((p for p, i in enumerate(order) if i > made), len(order))
+                start = bisect.bisect_right(order, made)  # the forward runs in problem order
             if start < len(order) and nodes[R].bytes:
                 deltas.setdefault(start, []).append((nodes[R].bytes, var))
         chain, defs = _chain(self.model, self.upper, "F", len(order), deltas)
@@ -282,7 +288,6 @@ class Relaxation:
                 drops.setdefault(self.use[R][1] + 1, []).append((-nodes[R].bytes, var))
         kept_chain, defs = _chain(m, self.upper, "P", n_core + 1, drops)
         self._defs += defs
-        self.kept_live = kept_chain
 
         # recomputed storages: live over [first use, last use], earlier when a
         # recomputed consumer is placed earlier
@@ -418,7 +423,7 @@ class Relaxation:
         """Storage R is live from the start (saved) or its recompute (or its op's) to the
         last step that touches it: a core reader, a recompute reading it, the end."""
         problem, m = self.problem, self.model
-        nodes, storage = problem.nodes, problem.storage
+        nodes = problem.nodes
         op = nodes[R].output_of
         maker = op if op is not None else R
         kept = self.kept[R]
@@ -437,7 +442,7 @@ class Relaxation:
         elif R in self.use:
             k = self.use[R][1]
             last_terms.append(k * K + K - 1 if k < len(self.core) else horizon - 1)
-        members = [v for v in self.relevant if storage[v] == R]
+        members = self.members[R]
         touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
         if op is not None:
             touchers.add(op)
@@ -479,9 +484,8 @@ class Relaxation:
         """Staircase booleans ``(k, a)``: R is recomputed and some recomputed consumer
         of its storage is placed by position k < first, so R is live from k on."""
         storage = self.problem.storage
-        members = [v for v in self.relevant if storage[v] == R]
         by_step: dict[int, list[int]] = {}
-        for v in members:
+        for v in self.members[R]:
             for u in self.users[v]:
                 if storage[u] != R and self.latest[u] < first:
                     by_step.setdefault(int(self.latest[u]), []).append(u)
@@ -552,27 +556,19 @@ class Relaxation:
         t = plan.timeline.peak_node
         if t not in self.in_base:
             return None
-        p = self.base_order.index(t)
-        run = _run(problem, "fwd", self.base_order, {}, self.held)
-        total, lits = run.steps[p][2], []
-        base_live = self._base_forward_live(p)
+        p = bisect.bisect_left(self.base_order, t)
+        total, lits = self.forward_live[p], []
+        base_live = {
+            R
+            for R, q in self.forward_made.items()
+            if q <= p and (self.forward_last[R] >= p or R in self.held)
+        }
         for R in sorted(plan.timeline.live_at_peak - base_live):
             lit = self._kept_literal(plan, R)
             if lit is not None:
                 total += problem.nodes[R].bytes
                 lits.append(lit)
         return lits if total > self.budget else None
-
-    def _base_forward_live(self, p: int) -> set[int]:
-        problem = self.problem
-        nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
-        order, last, made = self.base_order, {}, {}
-        for q, i in enumerate(order):
-            for j in (*nodes[i].inputs, i, *parts[i]):
-                last[storage[j]] = q
-            for j in (i, *parts[i]):
-                made.setdefault(storage[j], q)
-        return {R for R, q in made.items() if q <= p and (last[R] >= p or R in self.held)}
 
     def _kept_literal(self, plan: Plan, R: int):
         saved = [v for v in sorted(plan.saved) if self.problem.storage[v] == R and v in self.s]
