@@ -97,7 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gpt-layers", type=int, default=12, help="0 skips the GPT graph")
     parser.add_argument("--budgets", default="0.7,0.5,0.3", help="fractions of store-all")
     parser.add_argument("--solvers", default="greedy,cpsat")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="cpsat, seconds")
+    parser.add_argument(
+        "--time-limit", type=float, default=10.0, help="cpsat, in its deterministic seconds"
+    )
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
