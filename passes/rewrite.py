@@ -15,6 +15,7 @@ from remat.solvers import Plan
 
 from ._torch_compat import extract_fwd_bwd_modules
 from .extract import Extracted, is_resident, is_symbolic
+from .rng import restore_in_backward
 
 
 class ScheduleMismatch(AssertionError):
@@ -41,6 +42,7 @@ def rewrite(
     saved_values = [n for n in saved if not is_symbolic(n)] + resident_reads
     saved_syms = [n for n in saved if is_symbolic(n)]
     fw, bw = extract_fwd_bwd_modules(joint, saved_values, saved_syms, num_fwd_outputs)
+    restore_in_backward(bw)
     _reorder(fw, [nodes[i].name for i in sched.forward], "forward")
     _reorder(bw, [n.name for n in backward_nodes], "backward")
     return fw, bw

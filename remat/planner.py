@@ -24,6 +24,7 @@ from remat import costs
 from remat.passes._torch_compat import real_tensors
 from remat.passes.extract import Extracted, extract
 from remat.passes.rewrite import rewrite
+from remat.passes.rng import replay_dropouts
 from remat.solvers import (
     Plan,
     format_bytes,
@@ -109,6 +110,7 @@ class Planner:
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         start = time.perf_counter()
         name = f"graph{len(self.graphs)}"
+        replay_dropouts(joint)  # dropout becomes recomputable (its mask replayed exactly)
         with real_tensors():  # the cost model may run ops on the device
             facts = self._cost_model(joint)
             extracted = extract(joint, num_fwd_outputs, facts, name=name)

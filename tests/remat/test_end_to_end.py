@@ -93,31 +93,31 @@ def test_batchnorm_statistics_update_once_per_step():
 
 
 @pytest.mark.slow
-def test_dropout_is_saved_not_recomputed():
-    """With p > 0 a recomputed dropout would draw a new mask: gradients would change."""
+def test_recomputed_dropout_replays_eagers_mask():
+    """At a tight budget dropout is recomputed; its replay draws the forward's mask, so
+    gradients equal eager's and the step leaves the RNG where eager leaves it."""
 
-    def grads_at(budget):
+    def step(optimize):
         torch.manual_seed(0)
         model, inputs = build("gpt", dropout=0.2)
-        optimized = remat.optimize(model, budget=budget)
+        run = remat.optimize(model, budget=0.5) if optimize else model
         torch.manual_seed(1)
-        optimized(*inputs).backward()
-        plan = optimized.remat.report().graphs[0]
-        return {k: p.grad for k, p in model.named_parameters()}, plan
+        loss = run(*inputs)
+        loss.backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        return loss.detach(), grads, torch.get_rng_state(), run
 
-    full, _ = grads_at(1.0)
-    tight, graph = grads_at(0.5)
-    problem = graph.extracted.problem
-    random_nodes = {
-        i
-        for i, n in enumerate(problem.nodes)
-        if not n.recomputable and ("dropout" in n.op or "bernoulli" in n.op)
-    }
-    assert random_nodes, "the gpt example should contain dropout"
-    assert not random_nodes & graph.plan.recomputed
-    assert graph.plan.recomputed, "a 50% budget should recompute something"
-    for key in full:
-        torch.testing.assert_close(tight[key], full[key], rtol=1e-4, atol=1e-5)
+    ref_loss, ref_grads, ref_rng, _ = step(optimize=False)
+    loss, grads, rng, optimized = step(optimize=True)
+    graph = optimized.remat.report().graphs[0]
+    nodes = graph.extracted.problem.nodes
+    replays = {i for i, n in enumerate(nodes) if "replay_dropout" in n.op}
+    assert replays and all(nodes[i].recomputable for i in replays)
+    assert replays & graph.plan.recomputed, "a 50% budget should recompute dropout"
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5)
+    assert torch.equal(rng, ref_rng)
 
 
 @pytest.mark.slow

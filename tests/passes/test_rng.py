@@ -1,0 +1,81 @@
+"""Dropout replay: the rewritten graph draws eager's masks, recomputes reproduce them."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from remat import costs
+from remat.passes.rng import replay_dropouts, restore_in_backward
+
+aten = torch.ops.aten
+
+
+def _two_dropouts(x):
+    a = aten.native_dropout.default(x.sin(), 0.3, True)
+    b = aten.native_dropout.default(a[0] * 2, 0.5, True)
+    return a[0], a[1], b[0], b[1]
+
+
+def _traced():
+    return make_fx(_two_dropouts, tracing_mode="fake")(torch.randn(64, 64))
+
+
+def test_forward_draws_eagers_masks_and_advances_the_generator_alike():
+    x = torch.randn(64, 64)
+    gm = _traced()
+    assert replay_dropouts(gm) == 2
+    assert not gm.graph.find_nodes(op="call_function", target=aten.native_dropout.default)
+    torch.manual_seed(3)
+    expected, after_eager = _two_dropouts(x), torch.get_rng_state()
+    torch.manual_seed(3)
+    got, after = gm(x), torch.get_rng_state()
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+    assert torch.equal(after, after_eager)
+
+
+def test_restored_replay_reproduces_the_mask_and_leaves_the_stream_alone():
+    x = torch.randn(1000)
+    torch.manual_seed(7)
+    state = torch.ops.remat.rng_state(x)
+    out, mask = torch.ops.remat.replay_dropout(state, x, 0.4, True, False)
+    stream = torch.get_rng_state()
+    again, again_mask = torch.ops.remat.replay_dropout(state, x, 0.4, True, True)
+    assert torch.equal(again, out) and torch.equal(again_mask, mask)
+    assert torch.equal(torch.get_rng_state(), stream)
+    assert 0 < int(mask.sum()) < mask.numel()  # p = 0.4 drew a real mask
+
+
+def test_state_is_random_and_the_replay_is_recomputable():
+    gm = _traced()
+    replay_dropouts(gm)
+    states = gm.graph.find_nodes(op="call_function", target=torch.ops.remat.rng_state.default)
+    replays = gm.graph.find_nodes(op="call_function", target=torch.ops.remat.replay_dropout.default)
+    assert len(states) == len(replays) == 2
+    assert all(costs.is_random(n) and not costs.has_side_effects(n) for n in states)
+    assert not any(costs.is_random(n) or costs.has_side_effects(n) for n in replays)
+    # The state is a small CPU byte tensor; the replay costs time like a pointwise op.
+    assert all(
+        n.meta["val"].dtype == torch.uint8 and n.meta["val"].numel() < 10_000 for n in states
+    )
+    assert all(
+        costs.estimate_seconds(n, costs.DeviceSpec.for_device(torch.device("cpu"))) > 0
+        for n in replays
+    )
+
+
+def test_restore_in_backward_flips_only_the_copies_it_is_given():
+    gm = _traced()
+    replay_dropouts(gm)
+    target = torch.ops.remat.replay_dropout.default
+    assert all(n.args[4] is False for n in gm.graph.find_nodes(op="call_function", target=target))
+    assert restore_in_backward(gm) == 2
+    assert all(n.args[4] is True for n in gm.graph.find_nodes(op="call_function", target=target))
+
+
+def test_graph_without_dropout_is_untouched():
+    gm = make_fx(lambda x: x.relu() * 2, tracing_mode="fake")(torch.randn(4))
+    code = gm.code
+    assert replay_dropouts(gm) == 0
+    assert gm.code == code
