@@ -125,11 +125,12 @@ def extract(
 
 
 def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:
-    """Bytes a node's value holds; a multi-output op's outputs are counted on their
+    """Bytes a node's value holds (a tangent's too: autograd allocates it, e.g. the ones
+    of a scalar loss); a multi-output op's outputs are counted on their
     getitems (the simulator allocates them when the op runs), except outputs no
     getitem reads (still written by the kernel, then dropped)."""
-    if node.target is operator.getitem:
-        return _tensor_bytes(node.meta.get("val"))
+    if node.target is operator.getitem or is_tangent(node):
+        return _tensor_bytes(node.meta.get("val"))  # autograd allocates a tangent for it
     if not is_multi_output(node):
         return facts.allocated_bytes(node)
     vals = node.meta["val"]

@@ -866,7 +866,17 @@ def profile_seconds(
 
 # Kernels known to allocate scratch memory per call (CPU convolutions unfold their input,
 # mkldnn reorders weights). Other kernels' scratch is small or cached by the library.
-_WORKSPACE_OPS = frozenset({"aten::convolution", "aten::convolution_backward"})
+# CPU dropout draws its mask through a float noise tensor the size of its input, and its
+# backward multiplies by the bool mask promoted to a float copy.
+_WORKSPACE_OPS = frozenset(
+    {
+        "aten::convolution",
+        "aten::convolution_backward",
+        "aten::native_dropout",
+        "aten::native_dropout_backward",
+        "remat::replay_dropout",
+    }
+)
 
 
 def workspace_bytes(
@@ -889,7 +899,8 @@ def workspace_bytes(
     from remat.memory import peak
 
     args, kwargs = _real_args(node, lambda _: dev)
-    with torch.no_grad():
+    # A measured dropout must not move the generator the step's masks come from.
+    with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         measured = peak(lambda: node.target(*args, **kwargs), device=dev).peak_bytes
     scratch = max(0, measured - output_bytes(node))
     if cache is not None:
