@@ -21,6 +21,10 @@ partitioner would save, remat's a fraction of the store-all plan's peak. Compare
 Per configuration: one warm-up step (it compiles; its wall time minus the median step time
 is ``compile_s``), then the peak of one step (``remat.memory.peak``: profiler on CPU, the
 allocator's counters on CUDA), gradients set to ``None`` first so allocating them counts.
+The warm-up step runs from a fixed seed and its gradients are compared with eager's from the
+same seed (``grad_error``, the largest difference relative to eager's largest gradient):
+a partition that recomputes dropout with a fresh mask trains on wrong gradients, and such a
+point does not count as a point of the curve (``dominates``).
 Then ``repeat`` timed rounds, each running one step of every configuration in turn, so that
 drift of the machine hits all alike; a row's ``step_s`` is its median.
 """
@@ -57,6 +61,10 @@ __all__ = [
 ]
 
 METHODS = ("eager", "checkpoint", "torch", "remat")
+GRAD_SEED = 1234  # every configuration's first step draws from this seed
+# Above this relative difference from eager's gradients a configuration trains on other
+# gradients (a wrong dropout mask gives ~0.1); reordered float sums stay near 1e-6.
+GRAD_TOLERANCE = 1e-3
 
 Progress = Callable[[str], None]
 
@@ -80,6 +88,7 @@ class Row:
     gap: float | None = None  # remat: solver's optimality gap (None: heuristic, no bound)
     status: str | None = None  # remat: plan status (optimal / feasible / heuristic)
     graphs: int | None = None
+    grad_error: float | None = None  # max |grad - eager's| / max |eager's grad|, same seed
     error: str | None = None
     times: list[float] = field(default_factory=list, repr=False)
 
@@ -90,6 +99,11 @@ class Row:
         if self.method == "torch":
             return f"torch min-cut @ {_budget_text(self.budget)}"
         return self.method
+
+    @property
+    def grads_ok(self) -> bool:
+        """Gradients equal eager's (within float reordering), or were not compared."""
+        return self.grad_error is None or self.grad_error <= GRAD_TOLERANCE
 
     def record(self) -> dict[str, Any]:
         """The row as plain data (JSON), with the individual step times (``times``)."""
@@ -105,6 +119,7 @@ class _Config:
     params: nn.Module | None = None  # whose gradients are reset between steps
     inputs: tuple = ()
     report: Any = None  # remat's backend, for its plans
+    reference: list[torch.Tensor] | None = None  # eager's gradients from GRAD_SEED
 
     @property
     def ok(self) -> bool:
@@ -156,6 +171,9 @@ def run_bench(
         dev = _device_of(examples.load(model_spec, **kwargs)[0])
 
     configs = _configs(methods, budgets, solvers, compiler)
+    reference = _eager_gradients(model_spec, kwargs)
+    for cfg in configs:
+        cfg.reference = reference
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)
@@ -243,10 +261,12 @@ def _prepare(cfg: _Config, spec, kwargs, dev, cost_model, say: Progress, tag: st
             cfg.report = cfg.model.remat
 
         start = time.perf_counter()
+        torch.manual_seed(GRAD_SEED)
         with _compile_context(row):
             _step(cfg)
         _sync(dev)
         row.compile_s = time.perf_counter() - start
+        row.grad_error = _grad_error(_gradients(cfg.params), cfg.reference)
         _zero_grad(cfg)
         row.peak_bytes = memory.peak(_step, cfg, device=dev).peak_bytes
         _zero_grad(cfg)
@@ -360,6 +380,30 @@ def _step(cfg: _Config) -> None:
     loss.backward()
 
 
+def _eager_gradients(spec, kwargs) -> list[torch.Tensor]:
+    """Eager's gradients of one step from ``GRAD_SEED``: what every configuration must get."""
+    model, inputs = examples.load(spec, **kwargs)
+    torch.manual_seed(GRAD_SEED)
+    model(*inputs).backward()
+    return _gradients(model)
+
+
+def _gradients(model: nn.Module) -> list[torch.Tensor]:
+    """Gradients in parameter order (wrapping blocks for checkpointing keeps the order)."""
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def _grad_error(grads: list[torch.Tensor], reference: list[torch.Tensor] | None) -> float | None:
+    if not reference:
+        return None
+    if len(grads) != len(reference) or any(
+        g.shape != r.shape for g, r in zip(grads, reference, strict=True)
+    ):
+        return math.inf  # other parameters got gradients: as wrong as it gets
+    scale = max(float(r.abs().max()) for r in reference) or 1.0
+    return max(float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True)) / scale
+
+
 def _zero_grad(cfg: _Config) -> None:
     cfg.params.zero_grad(set_to_none=True)
 
@@ -446,12 +490,13 @@ def pareto_budgets(
 
 
 def dominates(rows: Sequence[Row], *, slack: float = 1.02) -> list[tuple[Row, Row | None]]:
-    """For each measured torch row, the remat row with peak <= its peak and time <= slack x
-    its time (the fastest such), or None when no remat row does."""
-    remat_rows = [r for r in rows if r.method == "remat" and r.step_s is not None]
+    """For each measured torch row whose gradients are eager's, the remat row (gradients
+    eager's too) with peak <= its peak and time <= slack x its time (the fastest such), or
+    None when no remat row does. Rows with wrong gradients are not points of a curve."""
+    remat_rows = [r for r in rows if r.method == "remat" and r.step_s is not None and r.grads_ok]
     out = []
     for t in rows:
-        if t.method != "torch" or t.step_s is None:
+        if t.method != "torch" or t.step_s is None or not t.grads_ok:
             continue
         ok = [
             r for r in remat_rows if r.peak_bytes <= t.peak_bytes and r.step_s <= slack * t.step_s
@@ -505,6 +550,7 @@ TABLE_HEADERS = (
     "predicted",
     "budget bytes",
     "gap",
+    "grads",
     "note",
 )
 
@@ -532,10 +578,17 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
                 format_bytes(r.predicted_peak) if r.predicted_peak is not None else "",
                 format_bytes(r.budget_bytes) if r.budget_bytes is not None else "",
                 gap,
+                _grads_text(r),
                 _note(r.error),
             ]
         )
     return tabulate(body, headers=TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
+
+
+def _grads_text(row: Row) -> str:
+    if row.grad_error is None:
+        return ""
+    return "= eager" if row.grads_ok else f"WRONG ({row.grad_error:.1e})"
 
 
 def _note(error: str | None) -> str:

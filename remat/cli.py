@@ -678,6 +678,7 @@ def cmd_train(args, progress: _Progress) -> int:
 
     import remat
     from remat import costs, memory
+    from remat.passes.rng import is_replay_state
 
     model, inputs = _load(args, progress)
     eager = copy.deepcopy(model)
@@ -737,7 +738,12 @@ def cmd_train(args, progress: _Progress) -> int:
         times[name] = memory.step_time(
             lambda m=m, opt=opt: step(m, opt), warmup=1, repeat=args.repeat, device=device
         )
-    random = any(costs.is_random(n) for g in report.graphs for n in g.extracted.fx_nodes)
+    # Replayed dropout draws eager's masks; only other random ops may draw differently.
+    random = any(
+        costs.is_random(n) and not is_replay_state(n)
+        for g in report.graphs
+        for n in g.extracted.fx_nodes
+    )
 
     print(
         f"plan ({args.model}, budget {args.budget}, solver {args.solver}, compiler {args.compiler})"
@@ -800,9 +806,9 @@ def _loss_verdict(losses: dict[str, list[float]], random: bool) -> tuple[str, bo
         )
     if random:
         return (
-            f"losses: differ by up to {worst:.2g}; the model has random ops (dropout), "
-            "whose masks are drawn differently by the compiled program, so only a model "
-            "without dropout is expected to match.",
+            f"losses: differ by up to {worst:.2g}; the model has random ops that the "
+            "compiled program draws differently (inductor's own RNG, or ops other than "
+            "dropout), so only a model without them is expected to match.",
             True,
         )
     return (
@@ -904,6 +910,12 @@ def cmd_bench(args, progress: _Progress) -> int:
         progress=progress,
     )
     _bench_output(args, rows, _bench_meta(args, measured_on, budgets=args.budgets))
+    wrong = [r.label for r in rows if not r.grads_ok]
+    if wrong:
+        print()
+        print(
+            f"gradients differ from eager's (same seed), not counted as points: {', '.join(wrong)}"
+        )
     verdicts = bench.dominates(rows)
     if verdicts:
         missing = [t.label for t, r in verdicts if r is None]

@@ -87,6 +87,9 @@ def test_measured_rows(mlp_rows):
             assert r.overhead == pytest.approx(r.step_s / eager.step_s - 1)
     torch_rows = [r for r in mlp_rows if r.method == "torch"]
     assert all(r.error is None for r in torch_rows)  # torch takes any fraction
+    # No random ops: every program computes eager's gradients, up to float reordering.
+    assert eager.grad_error == 0.0
+    assert all(r.grads_ok and r.grad_error is not None for r in mlp_rows if r.error is None)
     for r in mlp_rows:
         if r.method == "remat" and r.error is None:
             # auto is CP-SAT: a proven bound, so a gap in [0, 1] and a CP-SAT status
@@ -145,6 +148,26 @@ def test_dominates_and_frontier():
     assert verdicts[1.0] is r1  # 1.01 <= 1.02 x 1.0
     assert verdicts[0.5] is None  # nothing at peak <= 60
     assert bench.frontier([t1, t2, r1, r2]) == [t1, t2, r2]
+    # Wrong gradients: such a torch point needs no dominating, such a remat point cannot.
+    t3 = row("torch", 10, 1.0, 0.1)
+    t3.grad_error = 0.1
+    r3 = row("remat", 50, 1.0, 0.4)
+    r3.grad_error = 0.1
+    verdicts = bench.dominates([t1, t2, t3, r1, r2, r3])
+    assert [t for t, _ in verdicts] == [t1, t2] and verdicts[1][1] is None  # r3 is not used
+
+
+@pytest.mark.slow
+def test_bench_flags_wrong_gradients_of_recomputed_dropout():
+    """torch's memory-budget partition recomputes dropout with a new mask on CPU
+    (pytorch#190758); remat replays the mask. The bench tells them apart."""
+    size = dict(layers=3, d_model=64, heads=4, seq=128, batch=4, vocab=128, dropout=0.1)
+    rows = run_bench("gpt", [0.5], methods=("eager", "torch", "remat"), repeat=1, size_kwargs=size)
+    eager, torch_row, remat_row = rows
+    assert torch_row.grad_error > bench.GRAD_TOLERANCE and not torch_row.grads_ok
+    assert remat_row.error is None and remat_row.grads_ok, remat_row
+    table = bench.rows_table(rows)
+    assert "WRONG" in table and "= eager" in table
 
 
 # ----------------------------------------------------------------------------- CLI
