@@ -9,7 +9,10 @@ from .budget import InfeasibleBudget
 from .plan import Plan, evaluate, format_bytes
 from .problem import Problem
 
-FILL_TRIALS = 256  # simulations ``fill`` may spend: ~1 s at 2,000 nodes, ~25 s at 10,000
+FILL_TRIALS = 256  # simulations ``fill`` may spend: ~0.5 s at 2,000 nodes, ~6 s at 10,000
+FILL_MISSES = 64  # failed ``fill`` trials in a row before it gives up
+DESCEND_FLIPS = 32  # flips ``descend`` simulates per round
+DROP_STEPS = 256  # ``_drop_saves`` frees at most 1/DROP_STEPS of the store-all peak per step
 
 
 def savable(problem: Problem) -> frozenset[int]:
@@ -75,17 +78,16 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
 
 
 def _drop_saves(problem: Problem) -> list[Plan]:
-    """Plans from store-all, each saving one value fewer, while that frees bytes at the peak."""
+    """Plans from store-all, each saving fewer values, while that frees bytes at the peak.
+
+    Each step drops the best victims (``_victims``) together: one simulation per step
+    instead of per victim, which is what makes this linear-ish on large graphs.
+    """
     plan = evaluate(problem, store_all(problem).saved, solver="greedy")
     plans = [plan]
-    saved = set(plan.saved)
-    while True:
-        victim = _best_victim(problem, plan)
-        if victim is None:
-            break
-        saved.discard(victim)
-        plan = evaluate(problem, saved, solver="greedy")
-        saved = set(plan.saved)
+    step = max(1, plan.peak // DROP_STEPS)
+    while victims := _victims(problem, plan, step):
+        plan = evaluate(problem, plan.saved - victims, solver="greedy")
         plans.append(plan)
     return plans
 
@@ -147,25 +149,40 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
 
     Flips are limited to values live at the peak: stop saving a saved one, or
     save a recomputed one, which cuts the recompute chain that runs through it.
+    Each round tries the ``DESCEND_FLIPS`` largest first (each a full simulation; on
+    large graphs hundreds are live at the peak), and the rest only if none of those
+    lowers the peak: so it stops where the full scan would.
     """
     storage, nodes = problem.storage, problem.nodes
     movable = savable(problem)
     while plan.peak > target:
         live = plan.timeline.live_at_peak
         flips = sorted(
-            i
-            for i in plan.saved | plan.recomputed
-            if i in movable and storage[i] in live and nodes[i].recomputable
+            (
+                i
+                for i in plan.saved | plan.recomputed
+                if i in movable and storage[i] in live and nodes[i].recomputable
+            ),
+            key=lambda i: (-nodes[storage[i]].bytes, i),
         )
-        best = plan
-        for i in flips:
-            trial = evaluate(problem, plan.saved ^ {i}, solver="greedy")
-            if (trial.peak, trial.recompute_cost) < (best.peak, best.recompute_cost):
-                best = trial
+        best = _best_flip(problem, plan, flips[:DESCEND_FLIPS])
+        if best.peak >= plan.peak:
+            best = _best_flip(problem, plan, flips[DESCEND_FLIPS:])
         if best.peak >= plan.peak:
             return plan
         plan = best
     return plan
+
+
+def _best_flip(problem: Problem, plan: Plan, flips: list[int]) -> Plan:
+    """The lowest-peak (then cheapest) of ``plan`` with one of ``flips`` flipped, or
+    ``plan`` itself."""
+    best = plan
+    for i in flips:
+        trial = evaluate(problem, plan.saved ^ {i}, solver="greedy")
+        if (trial.peak, trial.recompute_cost) < (best.peak, best.recompute_cost):
+            best = trial
+    return best
 
 
 def fill(problem: Problem, plan: Plan, budget: int, max_trials: int | None = None) -> Plan:
@@ -174,33 +191,40 @@ def fill(problem: Problem, plan: Plan, budget: int, max_trials: int | None = Non
     The polish for plans that were pushed under the budget by coarse moves (a repair,
     a relaxation's answer): each accepted save lowers the recompute cost. Passes over
     the recomputed values repeat while one helps, up to ``max_trials`` simulations
-    (default ``FILL_TRIALS``), so it is deterministic and bounded.
+    (default ``FILL_TRIALS``), so it is deterministic and bounded. It gives up after
+    ``FILL_MISSES`` failed trials in a row: a plan already at the budget (the greedy's)
+    would otherwise spend every trial on saves that cannot fit.
     """
     movable = savable(problem)
     trials = FILL_TRIALS if max_trials is None else max_trials
+    misses = 0
     improved = True
-    while improved and trials > 0:
+    while improved and trials > 0 and misses < FILL_MISSES:
         improved = False
         for i in sorted(plan.recomputed & movable, key=lambda i: (-problem.nodes[i].cost, i)):
-            if trials <= 0:
+            if trials <= 0 or misses >= FILL_MISSES:
                 break
             if i not in plan.recomputed:
                 continue
             trials -= 1
             trial = evaluate(problem, plan.saved | {i}, solver=plan.solver, status=plan.status)
             if trial.peak <= budget and trial.recompute_cost < plan.recompute_cost:
-                plan, improved = trial, True
+                plan, improved, misses = trial, True, 0
+            else:
+                misses += 1
     return plan
 
 
-def _best_victim(problem: Problem, plan: Plan) -> int | None:
-    """The saved value live at the peak with the most freed bytes per recompute cost."""
+def _victims(problem: Problem, plan: Plan, step: int) -> frozenset[int]:
+    """Saved values live at the peak to stop saving, best freed bytes per recompute cost
+    first: the best one, then the next ones while they are independent of those before
+    (no node newly recomputed for two of them) and free at most ``step`` bytes in all."""
     nodes, storage = problem.nodes, problem.storage
     held = {storage[i] for i in (*problem.outputs, *problem.grads)}
     sharers: dict[int, int] = {}
     for i in plan.saved:
         sharers[storage[i]] = sharers.get(storage[i], 0) + 1
-    best, best_score = None, 0.0
+    ranked = []
     for i in sorted(plan.saved):
         root = storage[i]
         if (
@@ -211,24 +235,33 @@ def _best_victim(problem: Problem, plan: Plan) -> int | None:
             or nodes[root].bytes == 0
         ):
             continue
-        score = nodes[root].bytes / (_added_cost(problem, plan, i) + 1e-12)
-        if score > best_score:
-            best, best_score = i, score
-    return best
+        chain = _new_recomputes(problem, plan, i)
+        score = nodes[root].bytes / (sum(nodes[j].cost for j in chain) + 1e-12)
+        ranked.append((-score, i, chain))
+    ranked.sort(key=lambda t: t[:2])
+    chosen: list[int] = []
+    touched: set[int] = set()
+    freed = 0
+    for _, i, chain in ranked:
+        freed += nodes[storage[i]].bytes
+        if chosen and (freed > step or not touched.isdisjoint(chain)):
+            break
+        chosen.append(i)
+        touched |= chain
+    return frozenset(chosen)
 
 
-def _added_cost(problem: Problem, plan: Plan, victim: int) -> float:
-    """Cost of the nodes that start being recomputed if ``victim`` is no longer saved."""
+def _new_recomputes(problem: Problem, plan: Plan, victim: int) -> set[int]:
+    """The nodes that start being recomputed if ``victim`` is no longer saved."""
     nodes = problem.nodes
-    seen, cost, stack = set(), 0.0, [victim]
+    seen, stack = set(), [victim]
     while stack:
         i = stack.pop()
         if i in seen or i in plan.recomputed or (i in plan.saved and i != victim):
             continue
         seen.add(i)
-        cost += nodes[i].cost
         stack.extend(nodes[i].inputs)
-    return cost
+    return seen
 
 
 def _within(plan: Plan, problem: Problem) -> Plan:

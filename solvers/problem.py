@@ -114,13 +114,57 @@ class Problem:
         return tuple(ranks)
 
     @cached_property
-    def forward_nodes(self) -> tuple[int, ...]:
-        return tuple(i for i, n in enumerate(self.nodes) if n.phase == "fwd")
+    def touches(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the storages running it touches: its inputs', its own and (for
+        a multi-output op) its outputs'. Precomputed: the simulator reads it per step."""
+        storage, parts = self.storage, self.outputs_of
+        return tuple(
+            tuple(storage[j] for j in (*n.inputs, i, *parts[i])) for i, n in enumerate(self.nodes)
+        )
 
     @cached_property
-    def forward_closure(self) -> frozenset[int]:
-        """What a plain forward pass computes: the nodes the outputs depend on, and
-        every output of a multi-output op among them (the kernel writes them all)."""
+    def allocations(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """For each node, the ``(storage, bytes)`` running it allocates: its own and its
+        outputs' (a multi-output op writes them), views excepted; nothing for a getitem."""
+        nodes, parts = self.nodes, self.outputs_of
+        return tuple(
+            ()
+            if n.output_of is not None
+            else tuple((j, nodes[j].bytes) for j in (i, *parts[i]) if nodes[j].alias_of is None)
+            for i, n in enumerate(nodes)
+        )
+
+    @cached_property
+    def backward_core(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Backward nodes the gradients need (problem order), and the forward values they
+        (or the gradients themselves) read: the same for every plan."""
+        nodes = self.nodes
+        needed: set[int] = set()
+        reads: set[int] = set()
+        stack = list(self.grads)
+        while stack:
+            i = stack.pop()
+            if nodes[i].phase == "fwd":
+                reads.add(i)
+            elif i not in needed:
+                needed.add(i)
+                stack.extend(nodes[i].inputs)
+        return tuple(sorted(needed)), tuple(sorted(reads))
+
+    @cached_property
+    def first_reads(self) -> dict[int, int]:
+        """For each forward value the backward core reads, the first core position that
+        reads it."""
+        nodes, first = self.nodes, {}
+        for k, c in enumerate(self.backward_core[0]):
+            for j in nodes[c].inputs:
+                if nodes[j].phase == "fwd":
+                    first.setdefault(j, k)
+        return first
+
+    @cached_property
+    def forward_base(self) -> frozenset[int]:
+        """What the forward runs with nothing saved: the outputs and their inputs."""
         seen: set[int] = set()
         stack = list(self.outputs)
         while stack:
@@ -128,7 +172,18 @@ class Problem:
             if i not in seen:
                 seen.add(i)
                 stack.extend(self.nodes[i].inputs)
-        return frozenset(seen).union(*(self.outputs_of[i] for i in seen))
+        return frozenset(seen)
+
+    @cached_property
+    def forward_nodes(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.nodes) if n.phase == "fwd")
+
+    @cached_property
+    def forward_closure(self) -> frozenset[int]:
+        """What a plain forward pass computes: the nodes the outputs depend on, and
+        every output of a multi-output op among them (the kernel writes them all)."""
+        seen = self.forward_base
+        return seen.union(*(self.outputs_of[i] for i in seen))
 
 
 def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:

@@ -57,40 +57,28 @@ def schedule(problem: Problem, saved: Iterable[int]) -> Schedule:
                 f"saved value {i} ({nodes[i].name}) is a multi-output op; save its outputs"
             )
 
-    core, reads = _backward_core(problem)
+    core, reads = problem.backward_core
     recomputed, saved_eff = _split_reads(problem, reads, requested)
     # A value whose storage stays allocated anyway (held by the caller, or the
     # base of a saved view) is handed over, never rebuilt into a second buffer.
     while free := _already_allocated(problem, recomputed, saved_eff):
         requested |= free
         recomputed, saved_eff = _split_reads(problem, reads, requested)
-    backward = _place_recomputes(problem, core, recomputed, reads)
-    forward = _forward_program(problem, saved_eff)
-    in_forward = frozenset(forward)
-    cost = sum(nodes[i].cost for i in recomputed if i in in_forward)
+    backward = _place_recomputes(problem, core, recomputed)
+    base, extra = problem.forward_base, _forward_extra(problem, saved_eff)
+    forward = tuple(sorted(base | extra))
+    cost = sum(nodes[i].cost for i in recomputed if i in base or i in extra)
     return Schedule(forward, backward, saved_eff, recomputed, cost)
 
 
 def _backward_core(problem: Problem) -> tuple[list[int], list[int]]:
     """Backward nodes the gradients need (problem order), and forward values they read."""
-    nodes = problem.nodes
-    needed: set[int] = set()
-    reads: set[int] = set()
-    stack = list(problem.grads)
-    while stack:
-        i = stack.pop()
-        if nodes[i].phase == "fwd":
-            reads.add(i)
-            continue
-        if i in needed:
-            continue
-        needed.add(i)
-        stack.extend(nodes[i].inputs)
-    return sorted(needed), sorted(reads)
+    core, reads = problem.backward_core
+    return list(core), list(reads)
 
 
 def _split_reads(
-    problem: Problem, reads: list[int], requested: frozenset[int]
+    problem: Problem, reads: tuple[int, ...], requested: frozenset[int]
 ) -> tuple[frozenset[int], frozenset[int]]:
     """Walk back from what the backward reads: stop at saved values, recompute the rest."""
     nodes = problem.nodes
@@ -125,7 +113,7 @@ def _already_allocated(
 
 
 def _place_recomputes(
-    problem: Problem, core: list[int], recomputed: frozenset[int], reads: list[int]
+    problem: Problem, core: tuple[int, ...], recomputed: frozenset[int]
 ) -> tuple[int, ...]:
     """Backward order: each recompute in the gap before the first backward node that
     needs it (directly, or through recomputed consumers); each gap in problem order.
@@ -135,45 +123,46 @@ def _place_recomputes(
     recomputed outputs follow it at once, as they do in fx (``rank``). Forward values
     returned as gradients are needed last.
     """
-    gap = recompute_gaps(problem, core, recomputed)
-    batches: dict[int, list[int]] = {}
-    for i in recomputed:
-        batches.setdefault(gap[i], []).append(i)
-    rank = problem.rank
+    gap, rank = recompute_gaps(problem, recomputed), problem.rank
     order: list[int] = []
-    for k in range(len(core) + 1):
-        order += sorted(batches.get(k, ()), key=rank.__getitem__)
-        if k < len(core):
-            order.append(core[k])
+    done = 0  # core nodes placed so far
+    for i in sorted(recomputed, key=lambda i: (gap[i], rank[i])):
+        if gap[i] > done:
+            order += core[done : gap[i]]
+            done = gap[i]
+        order.append(i)
+    order += core[done:]
     return tuple(order)
 
 
-def recompute_gaps(problem: Problem, core: list[int], recomputed: frozenset[int]) -> dict[int, int]:
+def recompute_gaps(problem: Problem, recomputed: frozenset[int]) -> dict[int, int]:
     """For each recomputed value, the core position it is placed before (``len(core)``
     for the end): the first core node that reads it, or the gap of a recomputed
     consumer if earlier. Outputs of a multi-output op take the op's gap."""
-    nodes = problem.nodes
-    end = len(core)
-    need = {i: end for i in recomputed}
-    for k in range(len(core) - 1, -1, -1):
-        for j in nodes[core[k]].inputs:
-            if j in need:
-                need[j] = k
+    nodes, first = problem.nodes, problem.first_reads
+    end = len(problem.backward_core[0])
+    need = {i: first.get(i, end) for i in recomputed}
     for i in sorted(recomputed, reverse=True):  # consumers come later in problem order
         for j in nodes[i].inputs:
-            if j in need:
-                need[j] = min(need[j], need[i])
+            if j in need and need[i] < need[j]:
+                need[j] = need[i]
     return {i: need[nodes[i].output_of] if nodes[i].output_of in need else need[i] for i in need}
 
 
-def _forward_program(problem: Problem, saved: frozenset[int]) -> tuple[int, ...]:
-    nodes = problem.nodes
-    needed: set[int] = set()
-    stack = [*problem.outputs, *saved]
+def _forward_extra(problem: Problem, saved: frozenset[int]) -> set[int]:
+    """What the forward runs beyond ``forward_base`` to compute the saved values."""
+    nodes, base = problem.nodes, problem.forward_base
+    extra: set[int] = set()
+    stack = [i for i in saved if i not in base]
     while stack:
         i = stack.pop()
-        if i in needed:
+        if i in extra or i in base:
             continue
-        needed.add(i)
+        extra.add(i)
         stack.extend(nodes[i].inputs)
-    return tuple(sorted(needed))
+    return extra
+
+
+def _forward_program(problem: Problem, saved: frozenset[int]) -> tuple[int, ...]:
+    """The forward's order: what its outputs and the saved values need."""
+    return tuple(sorted(problem.forward_base | _forward_extra(problem, saved)))

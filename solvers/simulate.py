@@ -71,40 +71,50 @@ def _run(
     keep: set[int],
 ) -> _Run:
     """Run one program from ``live`` (storage -> bytes); storages in ``keep`` survive it."""
-    nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
+    touches, allocations, nodes = problem.touches, problem.allocations, problem.nodes
     last_use: dict[int, int] = {}
     for pos, i in enumerate(order):
-        for j in nodes[i].inputs:
-            last_use[storage[j]] = pos
-        last_use[storage[i]] = pos
-        for part in parts[i]:
-            last_use[storage[part]] = max(last_use.get(storage[part], pos), pos)
+        for root in touches[i]:
+            last_use[root] = pos
     frees: dict[int, list[int]] = {}
     for root, pos in last_use.items():
         if root not in keep:
             frees.setdefault(pos, []).append(root)
 
-    live = dict(live)
-    for root in [r for r in live if r not in keep and r not in last_use]:
-        del live[root]
+    live = {r: b for r, b in live.items() if r in keep or r in last_use}
+    start = frozenset(live)
     current = sum(live.values())
-    peak, peak_node, live_at_peak = current, -1, frozenset(live)
+    peak, peak_pos = current, -1
+    born: dict[int, int] = {}  # storage -> position it was allocated at
     steps = []
     for pos, i in enumerate(order):
         scratch = nodes[i].workspace
-        if nodes[i].output_of is None:  # a multi-output op writes its getitems' bytes
-            for new in (i, *parts[i]):
-                if nodes[new].alias_of is not None:
-                    continue
-                if new in live:  # a re-run op rewrites an output handed over as saved:
-                    scratch += nodes[new].bytes  # a second buffer, dropped at once
-                else:
-                    live[new] = nodes[new].bytes
-                    current += nodes[new].bytes
+        for new, size in allocations[i]:
+            if new in live:  # a re-run op rewrites an output handed over as saved:
+                scratch += size  # a second buffer, dropped at once
+            else:
+                live[new] = size
+                born[new] = pos
+                current += size
         during = current + scratch
         steps.append((phase, i, during))
-        if during > peak or peak_node < 0:
-            peak, peak_node, live_at_peak = during, i, frozenset(live)
+        if during > peak or peak_pos < 0:
+            peak, peak_pos = during, pos
         for root in frees.get(pos, ()):
             current -= live.pop(root, 0)
-    return _Run(phase, peak, peak_node, live_at_peak, tuple(steps))
+    if peak_pos < 0:
+        return _Run(phase, peak, -1, start, ())
+    alive = _alive_at(peak_pos, start, born, last_use, keep)
+    return _Run(phase, peak, order[peak_pos], alive, tuple(steps))
+
+
+def _alive_at(
+    pos: int, start: frozenset[int], born: dict[int, int], last_use: dict[int, int], keep: set[int]
+) -> frozenset[int]:
+    """Storages live while step ``pos`` runs: there from the start or allocated by then,
+    and not freed before it. Rebuilt once from the lifetimes, not copied at every new peak."""
+    return frozenset(
+        r
+        for r in (*start, *(r for r, b in born.items() if b <= pos))
+        if r in keep or last_use[r] >= pos
+    )

@@ -1,0 +1,46 @@
+"""The shortcuts that keep the heuristics fast on large graphs: batched drop-saves
+steps, the capped descend round and the gap placement from precomputed first reads."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_properties import any_problem
+
+from remat.solvers import evaluate, store_all
+from remat.solvers.heuristics import _new_recomputes, _victims, descend, savable
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _one_at_a_time_best(problem, plan):
+    """The victim the unbatched greedy picks: ``_victims`` with a one-byte step."""
+    return _victims(problem, plan, 1)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(problem=any_problem(120), step=st.sampled_from([1, 1000, 10**6, 10**12]))
+def test_a_batch_starts_with_the_unbatched_choice_and_its_chains_are_disjoint(problem, step):
+    plan = store_all(problem)
+    batch = _victims(problem, plan, step)
+    single = _one_at_a_time_best(problem, plan)
+    assert len(single) <= 1
+    assert single <= batch
+    assert bool(batch) == bool(single)
+    chains = [_new_recomputes(problem, plan, v) for v in sorted(batch)]
+    assert sum(map(len, chains)) == len(set().union(*chains))
+    freed = sum(problem.nodes[problem.storage[v]].bytes for v in batch)
+    assert len(batch) <= 1 or freed <= step
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(problem=any_problem(80))
+def test_descend_stops_only_where_no_single_flip_lowers_the_peak(problem):
+    start = store_all(problem)
+    plan = descend(problem, start, -1)  # an unreachable target: descend to the end
+    assert plan.peak <= start.peak
+    live = plan.timeline.live_at_peak
+    movable = savable(problem)
+    for i in plan.saved | plan.recomputed:
+        if i in movable and problem.storage[i] in live and problem.nodes[i].recomputable:
+            assert evaluate(problem, plan.saved ^ {i}, solver="t").peak >= plan.peak
