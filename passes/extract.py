@@ -117,6 +117,10 @@ def extract(
 
     outputs = tuple(index[o] for o in fwd_outs if isinstance(o, fx.Node) and o in index)
     grads = tuple(index[g] for g in bwd_outs if isinstance(g, fx.Node) and g in index)
+    # Autograd allocates the tangents before the backward and holds them until it returns:
+    # to the simulator they are values the backward keeps to its end, like its gradients.
+    tangents = tuple(index[n] for n in kept if is_tangent(n) and n.users)
+    grads += tuple(t for t in tangents if t not in grads)
     resident = sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
     problem = Problem(
         tuple(nodes), outputs=outputs, grads=grads, resident_bytes=resident, name=name

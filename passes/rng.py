@@ -3,28 +3,35 @@
 A recomputed ``native_dropout`` would draw a fresh mask, so the backward would
 use a different one than the forward (torch's memory-budget partitioner does
 exactly that on CPU: pytorch#190758, silently wrong gradients). remat instead
-rewrites each dropout of the joint graph into two ops:
+rewrites each dropout of the joint graph into three ops:
 
 - ``remat::rng_state(x)``: the generator state of ``x``'s device just before
   the dropout. It is random (it reads the generator), so it is never recomputed;
   it is tiny (5,056 bytes on CPU, 16 on CUDA), so saving it costs nothing.
-- ``remat::replay_dropout(state, x, p, train, restore)``: in the forward
-  (``restore=False``) plain ``native_dropout`` on the global generator, which is
-  at ``state`` then, so the forward draws exactly eager's masks and advances the
-  generator as eager does. Its recomputed copy in the backward gets
-  ``restore=True`` (``restore_in_backward``): it runs from ``state`` and puts the
-  generator back, so it reproduces the forward's mask bit for bit and leaves the
-  rest of the step's random stream untouched, as ``torch.utils.checkpoint`` does.
+- ``remat::dropout_mask(state, x, p, restore)``: the bool mask. In the forward
+  (``restore=False``) it is drawn from the global generator, which is at
+  ``state`` then, exactly as ``native_dropout`` draws it, so the forward gets
+  eager's masks and leaves the generator where eager leaves it. Its recomputed
+  copy in the backward gets ``restore=True`` (``restore_in_backward``): it draws
+  from ``state`` and puts the generator back, so it reproduces the forward's mask
+  bit for bit and leaves the rest of the step's random stream untouched, as
+  ``torch.utils.checkpoint`` does.
+- ``remat::apply_dropout_mask(x, mask, scale)``: ``x * mask * scale`` in
+  ``native_dropout``'s arithmetic (the same bits). No randomness: recomputing the
+  dropped tensor from its input and a saved mask (1 byte per element) is a cheap
+  pointwise op, while drawing the mask again costs a random number per element.
 
-The solver then sees a dropout like any pointwise op: recomputable from its
-input and the saved state. Only ``native_dropout`` on CPU and CUDA tensors is
-rewritten; other random ops (``rand_like``, ``bernoulli``, attention with
-dropout) are still saved, never recomputed.
+The solver sees both as ordinary ops and picks per dropout: save the output,
+save the mask and re-apply it, or replay the mask from the state. Only
+``native_dropout`` with a constant ``0 < p < 1`` in training mode on CPU and CUDA
+tensors is rewritten; other random ops (``rand_like``, ``bernoulli``, attention
+with dropout) are still saved, never recomputed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 from torch import fx
@@ -64,24 +71,44 @@ def _(anchor: torch.Tensor) -> torch.Tensor:
     return torch.empty(_state_bytes(anchor.device), dtype=torch.uint8, device="cpu")
 
 
-@torch.library.custom_op("remat::replay_dropout", mutates_args=())
-def replay_dropout(
-    state: torch.Tensor, x: torch.Tensor, p: float, train: bool | None, restore: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``native_dropout(x, p, train)`` drawn from ``state``; see the module docstring."""
+def _draw_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The mask ``native_dropout(x, p, True)`` draws, consuming the generator alike: on
+    CPU a Bernoulli draw into a tensor like ``x`` (checked bitwise against
+    ``native_dropout``); elsewhere (CUDA's fused kernel draws differently) the mask
+    ``native_dropout`` itself returns."""
+    if x.device.type == "cpu":
+        return torch.empty_like(x).bernoulli_(1 - p).to(torch.bool)
+    return aten.native_dropout.default(x, p, True)[1]
+
+
+@torch.library.custom_op("remat::dropout_mask", mutates_args=())
+def dropout_mask(state: torch.Tensor, x: torch.Tensor, p: float, restore: bool) -> torch.Tensor:
+    """The mask of ``native_dropout(x, p, True)`` drawn from ``state``; see the module
+    docstring."""
     if not restore:
-        return aten.native_dropout.default(x, p, train)
+        return _draw_mask(x, p)
     current = _generator_state(x.device)
     _set_generator_state(x.device, state)
     try:
-        return aten.native_dropout.default(x, p, train)
+        return _draw_mask(x, p)
     finally:
         _set_generator_state(x.device, current)
 
 
-@replay_dropout.register_fake
-def _(state, x, p, train, restore):
-    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+@dropout_mask.register_fake
+def _(state, x, p, restore):
+    return torch.empty_like(x, dtype=torch.bool)
+
+
+@torch.library.custom_op("remat::apply_dropout_mask", mutates_args=())
+def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``native_dropout``'s output from its mask: ``x * mask``, then ``* scale``."""
+    return x.mul(mask.to(x.dtype)).mul_(scale)
+
+
+@apply_dropout_mask.register_fake
+def _(x, mask, scale):
+    return torch.empty_like(x)
 
 
 def replay_dropouts(joint: fx.GraphModule) -> int:
@@ -89,21 +116,33 @@ def replay_dropouts(joint: fx.GraphModule) -> int:
     graph = joint.graph
     count = 0
     for node in list(graph.find_nodes(op="call_function", target=aten.native_dropout.default)):
-        x, p, train = node.args[0], node.args[1], node.kwargs.get("train", None)
-        if len(node.args) > 2:
-            train = node.args[2]
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.device.type not in REPLAYABLE_DEVICES:
+        if (
+            not isinstance(val, torch.Tensor)
+            or val.device.type not in REPLAYABLE_DEVICES
+            or not isinstance(p, (int, float))
+            or not 0 < p < 1
+            or train is False
+            or any(u.target is not operator.getitem for u in node.users)
+        ):
             continue
         with graph.inserting_before(node):
             state = graph.call_function(torch.ops.remat.rng_state.default, (x,))
-            replay = graph.call_function(
-                torch.ops.remat.replay_dropout.default, (state, x, p, train, False)
+            mask = graph.call_function(torch.ops.remat.dropout_mask.default, (state, x, p, False))
+            out = graph.call_function(
+                torch.ops.remat.apply_dropout_mask.default, (x, mask, 1.0 / (1.0 - p))
             )
+        out_val, mask_val = node.meta["val"]
         with getattr(val, "fake_mode", None) or contextlib.nullcontext():
             state.meta["val"] = torch.ops.remat.rng_state.default(val)
-        replay.meta.update(node.meta)
-        node.replace_all_uses_with(replay)
+        for new, new_val in ((mask, mask_val), (out, out_val)):
+            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            new.meta["val"] = new_val
+        for user in list(node.users):
+            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+            graph.erase_node(user)
         graph.erase_node(node)
         count += 1
     if count:
@@ -119,10 +158,10 @@ def is_replay_state(node: fx.Node) -> bool:
 
 def restore_in_backward(backward: fx.GraphModule) -> int:
     """Recomputed dropouts (the backward's copies) replay from their saved state."""
-    target = torch.ops.remat.replay_dropout.default
+    target = torch.ops.remat.dropout_mask.default
     nodes = list(backward.graph.find_nodes(op="call_function", target=target))
     for node in nodes:
-        node.update_arg(4, True)
+        node.update_arg(3, True)
     if nodes:
         backward.recompile()
     return len(nodes)

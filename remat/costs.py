@@ -867,14 +867,15 @@ def profile_seconds(
 # Kernels known to allocate scratch memory per call (CPU convolutions unfold their input,
 # mkldnn reorders weights). Other kernels' scratch is small or cached by the library.
 # CPU dropout draws its mask through a float noise tensor the size of its input, and its
-# backward multiplies by the bool mask promoted to a float copy.
+# backward (and remat's apply_dropout_mask) multiplies by a float copy of the bool mask.
 _WORKSPACE_OPS = frozenset(
     {
         "aten::convolution",
         "aten::convolution_backward",
         "aten::native_dropout",
         "aten::native_dropout_backward",
-        "remat::replay_dropout",
+        "remat::dropout_mask",
+        "remat::apply_dropout_mask",
     }
 )
 

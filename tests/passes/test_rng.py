@@ -35,14 +35,25 @@ def test_forward_draws_eagers_masks_and_advances_the_generator_alike():
     assert torch.equal(after, after_eager)
 
 
+def test_non_contiguous_input_draws_eagers_mask():
+    x = torch.randn(48, 64).t()
+    torch.manual_seed(11)
+    out, mask = aten.native_dropout.default(x, 0.25, True)
+    torch.manual_seed(11)
+    state = torch.ops.remat.rng_state(x)
+    got_mask = torch.ops.remat.dropout_mask(state, x, 0.25, False)
+    got = torch.ops.remat.apply_dropout_mask(x, got_mask, 1 / 0.75)
+    assert torch.equal(got_mask, mask) and torch.equal(got, out)
+
+
 def test_restored_replay_reproduces_the_mask_and_leaves_the_stream_alone():
     x = torch.randn(1000)
     torch.manual_seed(7)
     state = torch.ops.remat.rng_state(x)
-    out, mask = torch.ops.remat.replay_dropout(state, x, 0.4, True, False)
+    mask = torch.ops.remat.dropout_mask(state, x, 0.4, False)
     stream = torch.get_rng_state()
-    again, again_mask = torch.ops.remat.replay_dropout(state, x, 0.4, True, True)
-    assert torch.equal(again, out) and torch.equal(again_mask, mask)
+    again = torch.ops.remat.dropout_mask(state, x, 0.4, True)
+    assert torch.equal(again, mask)
     assert torch.equal(torch.get_rng_state(), stream)
     assert 0 < int(mask.sum()) < mask.numel()  # p = 0.4 drew a real mask
 
@@ -51,8 +62,12 @@ def test_state_is_random_and_the_replay_is_recomputable():
     gm = _traced()
     replay_dropouts(gm)
     states = gm.graph.find_nodes(op="call_function", target=torch.ops.remat.rng_state.default)
-    replays = gm.graph.find_nodes(op="call_function", target=torch.ops.remat.replay_dropout.default)
-    assert len(states) == len(replays) == 2
+    replays = [
+        n
+        for target in (torch.ops.remat.dropout_mask, torch.ops.remat.apply_dropout_mask)
+        for n in gm.graph.find_nodes(op="call_function", target=target.default)
+    ]
+    assert len(states) == 2 and len(replays) == 4
     assert all(costs.is_random(n) and not costs.has_side_effects(n) for n in states)
     assert not any(costs.is_random(n) or costs.has_side_effects(n) for n in replays)
     # The state is a small CPU byte tensor; the replay costs time like a pointwise op.
@@ -68,14 +83,19 @@ def test_state_is_random_and_the_replay_is_recomputable():
 def test_restore_in_backward_flips_only_the_copies_it_is_given():
     gm = _traced()
     replay_dropouts(gm)
-    target = torch.ops.remat.replay_dropout.default
-    assert all(n.args[4] is False for n in gm.graph.find_nodes(op="call_function", target=target))
+    target = torch.ops.remat.dropout_mask.default
+    assert all(n.args[3] is False for n in gm.graph.find_nodes(op="call_function", target=target))
     assert restore_in_backward(gm) == 2
-    assert all(n.args[4] is True for n in gm.graph.find_nodes(op="call_function", target=target))
+    assert all(n.args[3] is True for n in gm.graph.find_nodes(op="call_function", target=target))
 
 
-def test_graph_without_dropout_is_untouched():
-    gm = make_fx(lambda x: x.relu() * 2, tracing_mode="fake")(torch.randn(4))
-    code = gm.code
-    assert replay_dropouts(gm) == 0
-    assert gm.code == code
+def test_graphs_without_replayable_dropout_are_untouched():
+    for fn in (
+        lambda x: x.relu() * 2,
+        lambda x: aten.native_dropout.default(x, 0.5, False),  # eval mode: no draw
+        lambda x: aten.native_dropout.default(x, 0.0, True),
+    ):
+        gm = make_fx(fn, tracing_mode="fake")(torch.randn(4))
+        code = gm.code
+        assert replay_dropouts(gm) == 0
+        assert gm.code == code

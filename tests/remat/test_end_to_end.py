@@ -111,7 +111,7 @@ def test_recomputed_dropout_replays_eagers_mask():
     loss, grads, rng, optimized = step(optimize=True)
     graph = optimized.remat.report().graphs[0]
     nodes = graph.extracted.problem.nodes
-    replays = {i for i, n in enumerate(nodes) if "replay_dropout" in n.op}
+    replays = {i for i, n in enumerate(nodes) if "dropout_mask" in n.op}
     assert replays and all(nodes[i].recomputable for i in replays)
     assert replays & graph.plan.recomputed, "a 50% budget should recompute dropout"
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
