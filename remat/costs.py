@@ -105,6 +105,10 @@ _CPU_FLOPS_PER_THREAD = 5e10
 _CPU_BANDWIDTH = 2e10
 # Per-op eager cost (python + dispatcher, kernel launch on CUDA): a few microseconds.
 _CPU_LAUNCH = 5e-6
+# CPU random numbers (mt19937, one per element: dropout masks, bernoulli, rand): a
+# Bernoulli draw of 4M floats took 33 ms on one Xeon thread here, 6x what the roofline
+# charges a pointwise op that size. GPUs draw inside the kernel (Philox): no extra term.
+_CPU_RANDOM_PER_SECOND = 1.2e8
 _CUDA_LAUNCH = 6e-6
 
 
@@ -122,6 +126,7 @@ class DeviceSpec:
     bandwidth: float
     launch_overhead: float
     matmul_peaks: tuple[tuple[str, float], ...] = ()
+    random_per_second: float = math.inf  # random numbers drawn per second
 
     def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Peak FLOP/s of a matmul-class op computing in ``dtype``."""
@@ -142,6 +147,7 @@ class DeviceSpec:
                 peak_flops=_CPU_FLOPS_PER_THREAD * threads,
                 bandwidth=_CPU_BANDWIDTH,
                 launch_overhead=_CPU_LAUNCH,
+                random_per_second=_CPU_RANDOM_PER_SECOND,
             )
         if dev.type == "cuda":
             return _cuda_spec(dev)
@@ -576,7 +582,8 @@ def _compute_dtype(node: fx.Node) -> torch.dtype | None:
 
 
 def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
-    """Roofline time: max(flops / peak, bytes_moved / bandwidth) + launch overhead.
+    """Roofline time: max(flops / peak, bytes_moved / bandwidth, random numbers / rate)
+    + launch overhead.
 
     0 for placeholders, get_attr, output, getitem, views and pure SymInt arithmetic,
     which launch no kernel. Matmul-class ops use the tensor-core peak of their dtype.
@@ -587,7 +594,22 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
         return 0.0
     f = flops(node)
     peak = spec.matmul_peak(_compute_dtype(node)) if _formula(node.target) else spec.peak_flops
-    return max(f / peak, bytes_moved(node) / spec.bandwidth) + spec.launch_overhead
+    drawing = random_numbers(node) / spec.random_per_second
+    return max(f / peak, bytes_moved(node) / spec.bandwidth, drawing) + spec.launch_overhead
+
+
+def random_numbers(node: fx.Node) -> int:
+    """Random numbers ``node`` draws: one per output element of a random op or of a
+    dropout mask (``remat::dropout_mask``, which is not random to the planner: it replays)."""
+    if not (is_random(node) or node.target is _dropout_mask()):
+        return 0
+    return sum(_hint(t.numel()) for t in _tensors(_val(node)))
+
+
+def _dropout_mask():
+    import remat.passes.rng  # noqa: F401  (registers remat::dropout_mask)
+
+    return torch.ops.remat.dropout_mask.default
 
 
 # --------------------------------------------------------------------------------------

@@ -99,3 +99,22 @@ def test_graphs_without_replayable_dropout_are_untouched():
         code = gm.code
         assert replay_dropouts(gm) == 0
         assert gm.code == code
+
+
+def test_drawing_a_mask_costs_more_than_applying_it_on_cpu():
+    """CPU random numbers are slow (~8 ns each): the roofline charges them, so the solver
+    prefers saving a 1-byte mask and re-applying it over replaying the draw."""
+    gm = make_fx(lambda x: aten.native_dropout.default(x, 0.1, True), tracing_mode="fake")(
+        torch.randn(4, 4, 512, 512)
+    )
+    replay_dropouts(gm)
+    (mask,) = gm.graph.find_nodes(op="call_function", target=torch.ops.remat.dropout_mask.default)
+    (apply,) = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.remat.apply_dropout_mask.default
+    )
+    cpu = costs.DeviceSpec.for_device("cpu")
+    assert costs.random_numbers(mask) == 4 * 4 * 512 * 512
+    assert costs.random_numbers(apply) == 0
+    assert costs.estimate_seconds(mask, cpu) > 2 * costs.estimate_seconds(apply, cpu)
+    gpu = costs.DeviceSpec("gpu", peak_flops=1e13, bandwidth=1e12, launch_overhead=5e-6)
+    assert costs.estimate_seconds(mask, gpu) < costs.estimate_seconds(apply, gpu)
