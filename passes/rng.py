@@ -63,7 +63,7 @@ def _state_bytes(device: torch.device) -> int:
 )
 def rng_state(anchor: torch.Tensor) -> torch.Tensor:
     """The default generator state of ``anchor``'s device (a CPU byte tensor)."""
-    return _generator_state(anchor.device).clone()
+    return _generator_state(anchor.device)  # a fresh copy of the state
 
 
 @rng_state.register_fake

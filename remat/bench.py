@@ -119,7 +119,6 @@ class _Config:
     params: nn.Module | None = None  # whose gradients are reset between steps
     inputs: tuple = ()
     report: Any = None  # remat's backend, for its plans
-    reference: list[torch.Tensor] | None = None  # eager's gradients from GRAD_SEED
 
     @property
     def ok(self) -> bool:
@@ -172,8 +171,6 @@ def run_bench(
 
     configs = _configs(methods, budgets, solvers, compiler)
     reference = _eager_gradients(model_spec, kwargs)
-    for cfg in configs:
-        cfg.reference = reference
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)
@@ -183,7 +180,8 @@ def run_bench(
     try:
         with torch._dynamo.config.patch(**limits):
             for k, cfg in enumerate(configs, 1):
-                _prepare(cfg, model_spec, kwargs, dev, cost_model, say, f"[{k}/{len(configs)}]")
+                tag = f"[{k}/{len(configs)}]"
+                _prepare(cfg, model_spec, kwargs, dev, cost_model, reference, say, tag)
             live = [c for c in configs if c.ok]
             for r in range(repeat):
                 say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
@@ -227,8 +225,11 @@ def _configs(methods, budgets, solvers, compiler) -> list[_Config]:
     return out
 
 
-def _prepare(cfg: _Config, spec, kwargs, dev, cost_model, say: Progress, tag: str) -> None:
-    """Build, compile (warm-up step) and measure the peak of one configuration."""
+def _prepare(
+    cfg: _Config, spec, kwargs, dev, cost_model, reference, say: Progress, tag: str
+) -> None:
+    """Build, compile (warm-up step, its gradients compared with eager's ``reference``) and
+    measure the peak of one configuration."""
     row = cfg.row
     say(f"{tag} {row.label}: building and compiling...")
     try:
@@ -266,7 +267,7 @@ def _prepare(cfg: _Config, spec, kwargs, dev, cost_model, say: Progress, tag: st
             _step(cfg)
         _sync(dev)
         row.compile_s = time.perf_counter() - start
-        row.grad_error = _grad_error(_gradients(cfg.params), cfg.reference)
+        row.grad_error = _grad_error(_gradients(cfg.params), reference)
         _zero_grad(cfg)
         row.peak_bytes = memory.peak(_step, cfg, device=dev).peak_bytes
         _zero_grad(cfg)

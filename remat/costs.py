@@ -49,6 +49,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
+import remat.passes.rng  # noqa: F401  (registers remat::dropout_mask, read below)
+
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -601,15 +603,9 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
 def random_numbers(node: fx.Node) -> int:
     """Random numbers ``node`` draws: one per output element of a random op or of a
     dropout mask (``remat::dropout_mask``, which is not random to the planner: it replays)."""
-    if not (is_random(node) or node.target is _dropout_mask()):
+    if not (is_random(node) or node.target is torch.ops.remat.dropout_mask.default):
         return 0
     return sum(_hint(t.numel()) for t in _tensors(_val(node)))
-
-
-def _dropout_mask():
-    import remat.passes.rng  # noqa: F401  (registers remat::dropout_mask)
-
-    return torch.ops.remat.dropout_mask.default
 
 
 # --------------------------------------------------------------------------------------
