@@ -660,6 +660,31 @@ def test_profile_seconds_measures_every_op(graphs):
             assert res[n.name] == 0.0, n.name
 
 
+def test_profile_seconds_times_each_distinct_op_once(monkeypatch):
+    """Equal ops (every layer of a transformer) share one measurement; an op that differs
+    in shape, stride or dtype gets its own."""
+
+    def build(g, a, b, c):
+        same = [g.call_function(aten.relu.default, (x,)) for x in (a, b)]
+        other = g.call_function(aten.relu.default, (c,))
+        transposed = g.call_function(aten.relu.default, (g.call_function(aten.t.default, (a,)),))
+        return (*same, other, transposed)
+
+    timed = []
+
+    def fake_time(fn, device, repeat, warmup):
+        timed.append(fn)
+        return 0.25 * len(timed)
+
+    monkeypatch.setattr(costs, "_time_op", fake_time)
+    gm = _fake_graph(build, torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 5))
+    a, b, c, t = _calls(gm, aten.relu.default)
+    res = profile_seconds(gm, "cpu")
+    assert len(timed) == 3  # a and b alike; c another shape; t another stride
+    assert res[a.name] == res[b.name] == 0.25
+    assert {res[c.name], res[t.name]} == {0.5, 0.75}
+
+
 @torch.library.custom_op("remat_costs_test::boom", mutates_args=())
 def _boom(x: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("cannot run on synthetic data")
