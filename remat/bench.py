@@ -11,8 +11,9 @@ configuration and measures one training step (forward + backward) of each, in on
   activation_memory_budget`` set to each budget while it compiles (with
   ``compiler="eager"`` the partitioned programs run as plain fx, like remat's; with
   ``"inductor"`` it is the stock inductor pipeline);
-- ``remat``: ``remat.optimize(model, budget, solver=..., compiler=...)`` for each budget and
-  solver. A budget below remat's minimum is a row carrying the ``InfeasibleBudget`` message.
+- ``remat``: ``remat.optimize(model, budget, solver=..., compiler=..., cost_model=...)`` for
+  each budget, solver and cost model. A budget below remat's minimum is a row carrying the
+  ``InfeasibleBudget`` message.
 
 The two budgets do not mean the same thing: torch's is a fraction of the bytes its
 partitioner would save, remat's a fraction of the store-all plan's peak. Compare the
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from remat import examples, memory
+from remat.planner import COST_MODELS
 from remat.solvers import InfeasibleBudget, format_bytes
 
 __all__ = [
@@ -77,6 +79,7 @@ class Row:
     method: str
     budget: float | int | None = None
     solver: str | None = None
+    cost_model: str | None = None  # remat: "roofline" or "profile"
     compiler: str | None = None
     peak_bytes: int | None = None
     step_s: float | None = None
@@ -95,7 +98,7 @@ class Row:
     @property
     def label(self) -> str:
         if self.method == "remat":
-            return f"remat {self.solver} @ {_budget_text(self.budget)}"
+            return f"remat {_solver_text(self)} @ {_budget_text(self.budget)}"
         if self.method == "torch":
             return f"torch min-cut @ {_budget_text(self.budget)}"
         return self.method
@@ -139,7 +142,7 @@ def run_bench(
     size_kwargs: dict[str, Any] | None = None,
     methods: Iterable[str] = METHODS,
     threads: int | None = 1,
-    cost_model: str = "roofline",
+    cost_model: str | Sequence[str] = "roofline",
     progress: Progress | None = None,
 ) -> list[Row]:
     """Measure every configuration of ``methods`` on ``model_spec`` (see the module doc).
@@ -147,7 +150,8 @@ def run_bench(
     ``budgets`` are fractions in [0, 1] (torch takes only fractions; remat also takes
     absolute bytes as ints, and rejects 0 with an error row). ``threads`` sets
     ``torch.set_num_threads`` on CPU for the run (``None``: leave it). Rows come in the order
-    eager, checkpoint, torch by budget, remat by solver then budget. ``device`` is passed
+    eager, checkpoint, torch by budget, remat by cost model, solver, then budget (one
+    ``cost_model`` name or several: each plans its own remat rows). ``device`` is passed
     to the factory as ``device=...``; ``None`` passes nothing and measures where the
     factory's model lives.
     """
@@ -159,6 +163,10 @@ def run_bench(
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     if compiler not in ("eager", "inductor"):
         raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+    cost_models = (cost_model,) if isinstance(cost_model, str) else tuple(cost_model)
+    bad = [c for c in cost_models if c not in COST_MODELS]
+    if bad or not cost_models:
+        raise ValueError(f"cost models must be some of {list(COST_MODELS)}, got {cost_model!r}")
     for b in budgets:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0:
             raise ValueError(f"budgets must be numbers >= 0 (fractions or bytes), got {b!r}")
@@ -169,7 +177,7 @@ def run_bench(
     else:  # the factory's default device (a factory need not take ``device``)
         dev = _device_of(examples.load(model_spec, **kwargs)[0])
 
-    configs = _configs(methods, budgets, solvers, compiler)
+    configs = _configs(methods, budgets, solvers, compiler, cost_models)
     reference = _eager_gradients(model_spec, kwargs)
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
@@ -181,7 +189,7 @@ def run_bench(
         with torch._dynamo.config.patch(**limits):
             for k, cfg in enumerate(configs, 1):
                 tag = f"[{k}/{len(configs)}]"
-                _prepare(cfg, model_spec, kwargs, dev, cost_model, reference, say, tag)
+                _prepare(cfg, model_spec, kwargs, dev, reference, say, tag)
             live = [c for c in configs if c.ok]
             for r in range(repeat):
                 say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
@@ -209,7 +217,7 @@ def run_bench(
     return [c.row for c in configs]
 
 
-def _configs(methods, budgets, solvers, compiler) -> list[_Config]:
+def _configs(methods, budgets, solvers, compiler, cost_models=("roofline",)) -> list[_Config]:
     out = []
     if "eager" in methods:
         out.append(_Config(Row("eager")))
@@ -219,15 +227,15 @@ def _configs(methods, budgets, solvers, compiler) -> list[_Config]:
         for b in budgets:
             out.append(_Config(Row("torch", budget=b, compiler=compiler)))
     if "remat" in methods:
-        for s in solvers:
-            for b in budgets:
-                out.append(_Config(Row("remat", budget=b, solver=s, compiler=compiler)))
+        for c in cost_models:
+            for s in solvers:
+                for b in budgets:
+                    row = Row("remat", budget=b, solver=s, cost_model=c, compiler=compiler)
+                    out.append(_Config(row))
     return out
 
 
-def _prepare(
-    cfg: _Config, spec, kwargs, dev, cost_model, reference, say: Progress, tag: str
-) -> None:
+def _prepare(cfg: _Config, spec, kwargs, dev, reference, say: Progress, tag: str) -> None:
     """Build, compile (warm-up step, its gradients compared with eager's ``reference``) and
     measure the peak of one configuration."""
     row = cfg.row
@@ -257,7 +265,7 @@ def _prepare(
             budget = float(row.budget) if 0 < row.budget <= 1 else int(row.budget)
             cfg.model = remat.optimize(
                 model, budget=budget, solver=row.solver, compiler=row.compiler,
-                cost_model=cost_model,
+                cost_model=row.cost_model,
             )  # fmt: skip
             cfg.report = cfg.model.remat
 
@@ -570,7 +578,7 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
             [
                 r.method,
                 _budget_text(r.budget),
-                r.solver or "",
+                _solver_text(r),
                 format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
                 f"{r.peak_bytes / eager:.2f}x" if r.peak_bytes is not None and eager else "",
                 _seconds(r.step_s),
@@ -584,6 +592,15 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
             ]
         )
     return tabulate(body, headers=TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
+
+
+def _solver_text(row: Row) -> str:
+    """The solver, with the cost model when it is not the default roofline."""
+    if row.solver is None:
+        return ""
+    if row.cost_model in (None, "roofline"):
+        return row.solver
+    return f"{row.solver}, {row.cost_model}"
 
 
 def _grads_text(row: Row) -> str:
@@ -633,7 +650,7 @@ def plot_rows(rows: Sequence[Row], path: str | Path, *, title: str = "") -> None
     for r in rows:
         if r.step_s is None or r.peak_bytes is None:
             continue
-        key = f"remat ({r.solver})" if r.method == "remat" else r.method
+        key = f"remat ({_solver_text(r)})" if r.method == "remat" else r.method
         key = "torch min-cut" if r.method == "torch" else key
         groups.setdefault(key, []).append(r)
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -27,6 +27,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from remat.planner import COST_MODELS
 from remat.solvers import SOLVERS, InfeasibleBudget, format_bytes, parse_budget
 
 __all__ = ["main"]
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default 0)")
     model.add_argument(
         "--cost-model",
-        choices=("roofline", "profile"),
+        choices=COST_MODELS,
         default="roofline",
         help="per-op time: roofline estimate from flops and bytes (default) or measured by "
         "running each op on the device (slower to plan)",
@@ -271,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[model, output],
+        conflict_handler="resolve",  # its --cost-model takes a list
         help="measure eager, checkpoint per block, torch's min-cut partitioner and remat",
         description="Measure one training step (forward+backward) of MODEL: eager, "
         "torch.utils.checkpoint around each of model.blocks, torch's "
@@ -295,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S,S,...",
         help=f"remat solvers, comma-separated, from {', '.join(_solver_names())} (default auto)",
     )
+    bench.add_argument(
+        "--cost-model",
+        type=_cost_model_list,
+        default="roofline",
+        metavar="C,C,...",
+        help="remat's per-op time, comma-separated: roofline (default, an estimate from "
+        "flops and bytes) and/or profile (each distinct op timed on the device); each one "
+        "named plans its own remat rows",
+    )
     bench.set_defaults(run=cmd_bench)
 
     pareto = sub.add_parser(
@@ -313,6 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pareto.set_defaults(run=cmd_pareto)
     return parser
+
+
+def _cost_model_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",")]
+    bad = [n for n in names if n not in COST_MODELS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown cost model(s) {', '.join(map(repr, bad))}; choose from "
+            f"{', '.join(COST_MODELS)}"
+        )
+    return list(dict.fromkeys(names))
 
 
 def _budget_list(text: str) -> list[float | int]:

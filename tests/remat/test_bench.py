@@ -44,9 +44,12 @@ def check_remat_rows(rows: list[Row]) -> None:
         assert r.budget_bytes is not None and r.predicted_peak is not None
         assert r.predicted_peak <= r.budget_bytes
         assert r.peak_bytes <= 1.10 * r.budget_bytes, r
-    by_budget = sorted(done, key=lambda r: r.budget_bytes)
-    peaks = [r.peak_bytes for r in by_budget]
-    assert peaks == sorted(peaks), [(r.budget, r.peak_bytes) for r in by_budget]
+    for curve in {(r.solver, r.cost_model) for r in done}:
+        by_budget = sorted(
+            (r for r in done if (r.solver, r.cost_model) == curve), key=lambda r: r.budget_bytes
+        )
+        peaks = [r.peak_bytes for r in by_budget]
+        assert peaks == sorted(peaks), [(r.budget, r.peak_bytes) for r in by_budget]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,8 @@ def test_run_bench_rejects_bad_arguments():
         run_bench("mlp", [-0.5])
     with pytest.raises(ValueError, match="compiler"):
         run_bench("mlp", [1.0], compiler="tvm")
+    with pytest.raises(ValueError, match="cost models"):
+        run_bench("mlp", [1.0], cost_model=("roofline", "guess"))
 
 
 def test_dominates_and_frontier():
@@ -183,13 +188,16 @@ def test_bench_cli_writes_json_and_csv(capsys, tmp_path):
         "1,0.6",
         "--repeat",
         "1",
+        "--cost-model",
+        "roofline,profile",
         "--json",
         str(js),
         "--csv",
         str(cs),
     )
     assert code == 0, err
-    assert "[1/6] eager" in err and "timing round 1/1" in err
+    assert "[1/8] eager" in err and "timing round 1/1" in err
+    assert "remat auto, profile @ 0.6" in err  # each cost model plans its own rows
     table = out.split("\n\n")[0]  # the verdict after it may name "torch min-cut @ 0.6"
     assert "torch min-cut" not in table  # the table says "torch" with a budget column
     for header in ("method", "peak", "overhead", "predicted", "gap"):
@@ -199,10 +207,11 @@ def test_bench_cli_writes_json_and_csv(capsys, tmp_path):
     assert data["meta"]["model"] == "mlp" and data["meta"]["budgets"] == [1.0, 0.6]
     assert [r["method"] for r in data["rows"]] == ["eager", "checkpoint"] + ["torch"] * 2 + [
         "remat"
-    ] * 2
+    ] * 4
+    assert [r["cost_model"] for r in data["rows"][4:]] == ["roofline"] * 2 + ["profile"] * 2
     with cs.open() as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 6 and all(int(r["peak_bytes"]) > 0 for r in table)
+    assert len(table) == 8 and all(int(r["peak_bytes"]) > 0 for r in table)
     assert all(len(r["times"]) == 1 for r in data["rows"])  # each timed step, for the spread
     check_remat_rows([Row(**{k: v for k, v in r.items() if k != "label"}) for r in data["rows"]])
 
@@ -218,6 +227,7 @@ def test_bench_cli_writes_json_and_csv(capsys, tmp_path):
         (["--threads", "-1"], ["--threads"]),
         (["--device", "tpu"], ["cpu or cuda"]),
         (["--compiler", "tvm"], ["--compiler"]),
+        (["--cost-model", "roofline,guess"], ["unknown cost model(s) 'guess'"]),
         (["--size", "bogus=1"], ["bogus"]),
     ],
 )
