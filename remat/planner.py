@@ -22,6 +22,7 @@ from torch import fx
 
 from remat import costs
 from remat.passes._torch_compat import real_tensors
+from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import Extracted, extract
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
@@ -110,7 +111,11 @@ class Planner:
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         start = time.perf_counter()
         name = f"graph{len(self.graphs)}"
-        replay_dropouts(joint)  # dropout becomes recomputable (its mask replayed exactly)
+        dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
+        replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
+        log.debug(
+            "remat %s: %d identity clones dropped, %d dropouts replayed", name, dropped, replayed
+        )
         with real_tensors():  # the cost model may run ops on the device
             facts = self._cost_model(joint)
             extracted = extract(joint, num_fwd_outputs, facts, name=name)
