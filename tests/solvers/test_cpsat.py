@@ -328,7 +328,7 @@ def test_cpsat_is_optimal_on_tiny_problems(data, problem):
     assume(budget >= 1)
     expected = exhaustive_minimum(problem, budget)
     assert expected is not None
-    plan = cpsat(problem, budget, time_limit=5.0)
+    plan = cpsat(problem, budget, time_limit=5.0, gap_limit=0)
     note(f"{plan}, bound {plan.bound!r}; exhaustive minimum {expected!r}")
     event(f"savable {len(savable(problem))}, {plan.status}")
     event("below greedy's minimum" if budget < minimum_peak(problem) else "greedy fits")
@@ -339,6 +339,31 @@ def test_cpsat_is_optimal_on_tiny_problems(data, problem):
     assert plan.bound <= expected + REL * max(1.0, expected)  # a bound on the true optimum
     assert plan.status == "optimal", "not proven optimal in 5 deterministic seconds"
     assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(data=st.data(), problem=tiny_problems(), gap_limit=st.sampled_from([0.01, 0.1, 0.3]))
+def test_gap_limit_stops_within_it_of_the_optimum(data, problem, gap_limit):
+    """Stopping early at ``gap_limit`` still returns a plan that close to the optimum."""
+    assume(len(savable(problem)) <= EXHAUSTIVE_MAX)
+    full = store_all(problem).peak
+    peaks = sorted({peak for peak, _, _ in all_plans(problem) if peak <= full})
+    budget = data.draw(st.sampled_from(peaks), label="budget")
+    assume(budget >= 1)
+    expected = exhaustive_minimum(problem, budget)
+    plan = cpsat(problem, budget, time_limit=5.0, gap_limit=gap_limit)
+    note(f"{plan}, bound {plan.bound!r}; exhaustive minimum {expected!r}")
+    assert_solver_plan(problem, plan, budget)
+    slack = len(savable(problem)) * resolution(problem)  # the floored objective's blur
+    assert plan.recompute_cost - plan.bound <= gap_limit * plan.recompute_cost + slack
+    assert plan.recompute_cost <= expected / (1 - gap_limit) + slack + tol(expected)
+    assert plan.bound <= expected + REL * max(1.0, expected)
+
+
+@pytest.mark.parametrize("gap_limit", [-0.1, 1.0, 2.0])
+def test_gap_limit_must_be_a_fraction(gap_limit):
+    with pytest.raises(ValueError, match="gap_limit"):
+        cpsat(small_problem(), gap_limit=gap_limit)
 
 
 @settings(max_examples=20, **FILTERING)
@@ -353,7 +378,7 @@ def test_cpsat_finds_plans_greedy_cannot(data, problem):
     budget = data.draw(st.sampled_from([p for p in peaks if p >= 1]), label="budget")
     expected = exhaustive_minimum(problem, budget)
     try:
-        plan = cpsat(problem, budget, time_limit=5.0)
+        plan = cpsat(problem, budget, time_limit=5.0, gap_limit=0)
     except InfeasibleBudget:
         raise AssertionError(f"refused, yet a plan peaks at {budget} (cost {expected!r})") from None
     note(f"{plan}, bound {plan.bound!r}; exhaustive minimum {expected!r}")
