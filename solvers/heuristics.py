@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from .budget import InfeasibleBudget
 from .plan import Plan, evaluate, format_bytes
-from .problem import Problem
+from .problem import Problem, without_free_views
 
 FILL_TRIALS = 256  # simulations ``fill`` may spend: ~0.5 s at 2,000 nodes, ~6 s at 10,000
 FILL_MISSES = 64  # failed ``fill`` trials in a row before it gives up
@@ -83,7 +83,9 @@ def _drop_saves(problem: Problem) -> list[Plan]:
     Each step drops the best victims (``_victims``) together: one simulation per step
     instead of per victim, which is what makes this linear-ish on large graphs.
     """
-    plan = evaluate(problem, store_all(problem).saved, solver="greedy")
+    # Saving a free view is saving its base; saving both would make neither a victim
+    # (dropping one frees nothing while the other holds the storage).
+    plan = evaluate(problem, without_free_views(problem, store_all(problem).saved), solver="greedy")
     plans = [plan]
     step = max(1, plan.peak // DROP_STEPS)
     while victims := _victims(problem, plan, step):
@@ -155,6 +157,9 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
     """
     storage, nodes = problem.storage, problem.nodes
     movable = savable(problem)
+    roots = without_free_views(problem, plan.saved)  # the same plan; see _drop_saves
+    if roots != plan.saved:
+        plan = evaluate(problem, roots, solver=plan.solver, status=plan.status)
     while plan.peak > target:
         live = plan.timeline.live_at_peak
         flips = sorted(

@@ -204,3 +204,28 @@ def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:
             raise ValueError(f"{where}: {label}={j} must be one of its inputs")
     if node.alias_of is not None and node.bytes:
         raise ValueError(f"{where}: a view allocates no bytes")
+
+
+def free_views(problem: Problem) -> frozenset[int]:
+    """Views that cost nothing and read only their base (whose storage root is a real
+    value). Saving one is the same plan as saving that root and recomputing the view:
+    the same storage stays live, the view's recompute allocates nothing and costs
+    nothing, and its step cannot be a peak. The model saves roots only (an exact
+    reduction: fewer symmetric choices)."""
+    nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
+    return frozenset(
+        i
+        for i, n in enumerate(nodes)
+        if n.phase == "fwd"
+        and n.alias_of is not None
+        and n.cost == 0
+        and n.recomputable
+        and n.inputs == (n.alias_of,)
+        and not parts[storage[i]]
+    )
+
+
+def without_free_views(problem: Problem, saved) -> frozenset[int]:
+    """``saved`` with each free view replaced by its storage root."""
+    views = free_views(problem)
+    return frozenset(problem.storage[i] if i in views else i for i in saved)

@@ -42,37 +42,12 @@ import math
 from ortools.sat.python import cp_model
 
 from .plan import Plan, evaluate
-from .problem import Problem
+from .problem import Problem, free_views, without_free_views
 from .schedule import _backward_core, _forward_program
 from .simulate import _run
 
 COST_RESOLUTION = 10**6  # the costliest node is worth this many integer units
 NEVER = math.inf
-
-
-def free_views(problem: Problem) -> frozenset[int]:
-    """Views that cost nothing and read only their base (whose storage root is a real
-    value). Saving one is the same plan as saving that root and recomputing the view:
-    the same storage stays live, the view's recompute allocates nothing and costs
-    nothing, and its step cannot be a peak. The model saves roots only (an exact
-    reduction: fewer symmetric choices)."""
-    nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
-    return frozenset(
-        i
-        for i, n in enumerate(nodes)
-        if n.phase == "fwd"
-        and n.alias_of is not None
-        and n.cost == 0
-        and n.recomputable
-        and n.inputs == (n.alias_of,)
-        and not parts[storage[i]]
-    )
-
-
-def without_free_views(problem: Problem, saved) -> frozenset[int]:
-    """``saved`` with each free view replaced by its storage root."""
-    views = free_views(problem)
-    return frozenset(problem.storage[i] if i in views else i for i in saved)
 
 
 def _chain(model: cp_model.CpModel, upper: int, name: str, length: int, deltas: dict):

@@ -7,8 +7,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_properties import any_problem
 
-from remat.solvers import evaluate, store_all
-from remat.solvers.heuristics import _new_recomputes, _victims, descend, savable
+from remat.solvers import Node, Problem, evaluate, store_all
+from remat.solvers.heuristics import (
+    _drop_saves,
+    _new_recomputes,
+    _victims,
+    descend,
+    greedy,
+    savable,
+)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -44,3 +51,30 @@ def test_descend_stops_only_where_no_single_flip_lowers_the_peak(problem):
     for i in plan.saved | plan.recomputed:
         if i in movable and problem.storage[i] in live and problem.nodes[i].recomputable:
             assert evaluate(problem, plan.saved ^ {i}, solver="t").peak >= plan.peak
+
+
+def _chain_read_through_views(layers: int = 6, size: int = 1000) -> Problem:
+    """Each activation is read by the backward directly and through a free view of it
+    (as attention probabilities are, by softmax's and bmm's backwards)."""
+    nodes = [Node("x", "fwd", size, 1.0)]
+    for k in range(1, layers + 1):
+        nodes.append(Node(f"a{k}", "fwd", size, 1.0, (len(nodes) - 1,)))
+        nodes.append(Node(f"v{k}", "fwd", 0, 0.0, (len(nodes) - 1,), alias_of=len(nodes) - 1))
+    nodes.append(Node("loss", "fwd", 4, 1.0, (len(nodes) - 2,)))
+    loss = len(nodes) - 1
+    nodes.append(Node("tangent", "bwd", 4))
+    grad = len(nodes) - 1
+    for k in range(layers, 0, -1):
+        a, v = 2 * k - 1, 2 * k
+        nodes.append(Node(f"g{k}", "bwd", size, 1.0, (grad, a, v)))
+        grad = len(nodes) - 1
+    return Problem(nodes, outputs=(loss,), grads=(grad,))
+
+
+def test_dropping_saves_frees_storages_also_saved_through_views():
+    """Store-all saves each activation and its view; dropping either alone frees nothing,
+    so the greedy must treat saving the view as saving its base to get anywhere."""
+    problem = _chain_read_through_views()
+    trajectory = _drop_saves(problem)
+    assert trajectory[-1].peak < store_all(problem).peak
+    assert greedy(problem).peak <= trajectory[-1].peak
