@@ -660,6 +660,19 @@ def test_profile_seconds_measures_every_op(graphs):
             assert res[n.name] == 0.0, n.name
 
 
+def test_profiled_masks_are_runs_not_noise():
+    """A random bool input would time branchy kernels (masked_fill, where) at their
+    worst; real masks there are causal or padding masks, so runs stand in for them."""
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(8, 256, dtype=torch.bool)
+    mask = costs._materialise(fake, torch.device("cpu")).flatten()
+    assert torch.equal(mask, costs._materialise(fake, torch.device("cpu")).flatten())
+    assert int(mask.sum()) == mask.numel() // 2
+    flips = int((mask[1:] != mask[:-1]).sum())
+    assert flips == mask.numel() // 64 - 1
+
+
 def test_profile_seconds_times_each_distinct_op_once(monkeypatch):
     """Equal ops (every layer of a transformer) share one measurement; an op that differs
     in shape, stride or dtype gets its own."""
