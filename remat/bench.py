@@ -26,8 +26,10 @@ The warm-up step runs from a fixed seed and its gradients are compared with eage
 same seed (``grad_error``, the largest difference relative to eager's largest gradient):
 a partition that recomputes dropout with a fresh mask trains on wrong gradients, and such a
 point does not count as a point of the curve (``dominates``).
-Then ``repeat`` timed rounds, each running one step of every configuration in turn, so that
-drift of the machine hits all alike; a row's ``step_s`` is its median.
+Then ``repeat`` timed rounds, each running one step of every configuration in turn (the
+first round in table order, later ones shuffled with a fixed seed), so that drift of the
+machine hits all alike and no configuration always follows the same one; a row's
+``step_s`` is its median.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import random
 import statistics
 import time
 import traceback
@@ -193,7 +196,7 @@ def run_bench(
             live = [c for c in configs if c.ok]
             for r in range(repeat):
                 say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
-                for cfg in live:
+                for cfg in _round_order(live, r):
                     cfg.row.times.append(_timed_step(cfg, dev))
     finally:
         torch._dynamo.reset()
@@ -215,6 +218,17 @@ def run_bench(
         if row.step_s is not None and eager_time:
             row.overhead = row.step_s / eager_time - 1
     return [c.row for c in configs]
+
+
+def _round_order(configs: list[_Config], round_index: int) -> list[_Config]:
+    """Round 0 in table order, later rounds shuffled (seeded by the round: the same on
+    every run), so no configuration always runs right after the same one: what a step
+    leaves behind (pages the allocator gave back, evicted caches) would otherwise bias
+    the step after it in every round."""
+    order = list(configs)
+    if round_index:
+        random.Random(round_index).shuffle(order)
+    return order
 
 
 def _configs(methods, budgets, solvers, compiler, cost_models=("roofline",)) -> list[_Config]:

@@ -143,6 +143,15 @@ def test_run_bench_rejects_bad_arguments():
         run_bench("mlp", [1.0], cost_model=("roofline", "guess"))
 
 
+def test_timing_rounds_shuffle_the_order_reproducibly():
+    configs = [bench._Config(Row("remat", budget=b / 10)) for b in range(1, 11)]
+    assert bench._round_order(configs, 0) == configs  # the first round in table order
+    later = [bench._round_order(configs, r) for r in range(1, 4)]
+    assert all(sorted(map(id, o)) == sorted(map(id, configs)) for o in later)
+    assert any(o != configs for o in later)
+    assert later == [bench._round_order(configs, r) for r in range(1, 4)]  # same seeds
+
+
 def test_dominates_and_frontier():
     def row(method, peak, step, budget=None):
         return Row(method, budget=budget, solver="auto", peak_bytes=peak, step_s=step)
