@@ -11,8 +11,9 @@ Two phases share the time limit:
    with the best plan so far. An answer that overflows (in the forward) is cut off
    (``explain``, or that exact saved set) and the model solved again.
 
-Both phases stop early once the incumbent is proven within ``gap_limit`` (1%) of the
-optimum.
+The exact rounds stop early once the incumbent is proven within ``gap_limit`` (1%) of
+the optimum (the relaxation always runs to its optimum or its share of the time: its
+bound is what proves the gap).
 
 Each solve's final answer is simulated (not the intermediate ones: which of those
 CP-SAT reports depends on thread timing, its final answer does not); the cheapest
@@ -130,17 +131,22 @@ class _Search:
         fixed = descend(self.problem, plan, self.budget)
         return fill(self.problem, fixed, self.budget) if fixed.peak <= self.budget else fixed
 
-    def solve(self, relax: Relaxation, seconds: float):
-        """One CP-SAT solve: (status, its answer simulated or None, deterministic time)."""
+    def solve(self, relax: Relaxation, seconds: float, gap_limit: float = 0.0):
+        """One CP-SAT solve: (status, its answer simulated or None, deterministic time).
+
+        CP-SAT reports OPTIMAL also when it stopped at ``relative_gap_limit``; the status
+        returned here is OPTIMAL only when its bound met its objective."""
         if self.best is not None:
             relax.hint(self.best)
-        solver = _solver(seconds, self.workers, self.seed, self.log, self.gap_limit)
+        solver = _solver(seconds, self.workers, self.seed, self.log, gap_limit)
         status = solver.Solve(relax.model)
         answer = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.bound = max(self.bound, solver.BestObjectiveBound() / relax.scale)
             answer = evaluate(self.problem, relax.saved_set(solver), solver="cpsat")
             self.offer(answer)
+            if solver.BestObjectiveBound() < solver.ObjectiveValue():
+                status = cp_model.FEASIBLE  # stopped at the gap limit, not proven
         return status, answer, solver.ResponseProto().deterministic_time
 
     def bound_round(self, relax: Relaxation, seconds: float) -> float:
@@ -159,7 +165,7 @@ class _Search:
     def exact_rounds(self, relax: Relaxation, seconds: float) -> None:
         """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat."""
         while seconds > 0.01 and not self.proven and not self.close_enough:
-            status, answer, used = self.solve(relax, seconds)
+            status, answer, used = self.solve(relax, seconds, self.gap_limit)
             seconds -= used
             if status == cp_model.INFEASIBLE:
                 # every plan fitting the budget satisfies the model and its cuts

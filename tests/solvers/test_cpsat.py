@@ -358,6 +358,22 @@ def test_gap_limit_stops_within_it_of_the_optimum(data, problem, gap_limit):
     assert plan.recompute_cost - plan.bound <= gap_limit * plan.recompute_cost + slack
     assert plan.recompute_cost <= expected / (1 - gap_limit) + slack + tol(expected)
     assert plan.bound <= expected + REL * max(1.0, expected)
+    if plan.status == "optimal":  # CP-SAT says OPTIMAL at its gap limit too: not proof
+        assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(120))
+def test_a_gap_limited_optimal_is_optimal(data, problem):
+    """CP-SAT reports OPTIMAL when it stops at its gap limit; a plan is "optimal" only
+    when nothing cheaper exists, so the search without a limit finds nothing cheaper."""
+    budget = draw_budget(data, problem)
+    limit = time_limit_for(problem)
+    loose = cpsat(problem, budget, time_limit=limit, gap_limit=0.5)
+    note(f"{loose}, bound {loose.bound!r}")
+    if loose.status == "optimal":
+        exact = cpsat(problem, budget, time_limit=limit, gap_limit=0)
+        assert exact.recompute_cost >= loose.recompute_cost - tol(loose.recompute_cost)
 
 
 @pytest.mark.parametrize("gap_limit", [-0.1, 1.0, 2.0])
