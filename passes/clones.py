@@ -37,11 +37,11 @@ aten = torch.ops.aten
 def drop_identity_clones(joint: fx.GraphModule) -> int:
     """Remove every droppable ``aten.clone`` of ``joint`` in place; returns how many."""
     graph = joint.graph
-    outputs = _output_storages(graph)
+    observable = _observable_storages(graph)
     count = 0
     for node in list(graph.find_nodes(op="call_function", target=aten.clone.default)):
         source = node.args[0]
-        if not _droppable(node, source, outputs):
+        if not _droppable(node, source, observable):
             continue
         views = _sharing_storage(node)
         node.replace_all_uses_with(source)
@@ -54,7 +54,7 @@ def drop_identity_clones(joint: fx.GraphModule) -> int:
     return count
 
 
-def _droppable(node: fx.Node, source, outputs: set) -> bool:
+def _droppable(node: fx.Node, source, observable: set) -> bool:
     out, src = node.meta.get("val"), getattr(source, "meta", {}).get("val")
     if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
         return False
@@ -68,18 +68,17 @@ def _droppable(node: fx.Node, source, outputs: set) -> bool:
     if not same_layout:
         return False
     storage = _storage(src)
-    if storage is None or storage in outputs or _storage(out) in outputs:
-        return False
-    if any(_storage(_val(p)) == storage for p in node.graph.find_nodes(op="placeholder")):
+    if storage is None or storage in observable or _storage(out) in observable:
         return False
     return not any(_writes(user, node) for user in node.users)
 
 
-def _output_storages(graph: fx.Graph) -> set:
-    """Storages of the graph's outputs (forward outputs and gradients alike)."""
-    returned: list[fx.Node] = []
-    fx.node.map_arg(graph.output_node().args, returned.append)
-    return {s for n in returned for t in _tensors(_val(n)) if (s := _storage(t)) is not None}
+def _observable_storages(graph: fx.Graph) -> set:
+    """Storages someone outside the graph holds: placeholders' (parameters, buffers,
+    inputs) and outputs' (forward outputs and gradients alike)."""
+    held: list[fx.Node] = list(graph.find_nodes(op="placeholder"))
+    fx.node.map_arg(graph.output_node().args, held.append)
+    return {s for n in held for t in _tensors(_val(n)) if (s := _storage(t)) is not None}
 
 
 def _sharing_storage(node: fx.Node) -> list[fx.Node]:
