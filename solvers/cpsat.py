@@ -42,8 +42,9 @@ from .problem import Problem
 from .relaxation import Relaxation
 
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
-BOUND_SHARE = 0.5  # of the time limit, at most, for the linear relaxation
+BOUND_SHARE = 0.75  # of the time limit, at most, for the linear relaxation
 GAP_LIMIT = 0.01  # stop once the plan is proven within this fraction of the optimum
+EXACT_WEIGHT = 8.0  # of the limit, per deterministic second of the exact model (see below)
 
 
 def cpsat(
@@ -87,7 +88,7 @@ def cpsat(
     #    answer, repaired, is often a good plan.
     used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * BOUND_SHARE)
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time.
-    search.exact_rounds(Relaxation(problem, budget), time_limit - used)
+    search.exact_rounds(Relaxation(problem, budget), (time_limit - used) / EXACT_WEIGHT)
     best = search.best
     if best is not None and not search.proven:
         best = fill(problem, best, budget)
@@ -138,7 +139,10 @@ class _Search:
         returned here is OPTIMAL only when its bound met its objective."""
         if self.best is not None:
             relax.hint(self.best)
-        solver = _solver(seconds, self.workers, self.seed, self.log, gap_limit)
+        if relax.exact:
+            solver = _solver(seconds, self.workers, self.seed, self.log, gap_limit)
+        else:  # one worker at the LP's full strength: see ``_relaxation_solver``
+            solver = _relaxation_solver(seconds, self.seed, self.log)
         status = solver.Solve(relax.model)
         answer = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -199,7 +203,7 @@ def _key(plan: Plan) -> tuple:
 
 
 def _solver(
-    seconds: float, workers: int, seed: int, log: bool, gap_limit: float
+    seconds: float, workers: int, seed: int, log: bool, gap_limit: float = 0.0
 ) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     params = solver.parameters
@@ -210,4 +214,15 @@ def _solver(
     params.random_seed = seed
     params.relative_gap_limit = gap_limit  # of its own model; ours is checked after
     params.log_search_progress = log
+    return solver
+
+
+def _relaxation_solver(seconds: float, seed: int, log: bool) -> cp_model.CpSolver:
+    """One worker with CP-SAT's strongest LP (``linearization_level=2``, its ``max_lp``
+    subsolver): on the relaxation it is the worker that proves the optimum, and alone it
+    keeps to the limit. Four interleaved workers proved the same optimum but ran their
+    whole batch first: 4-8 deterministic seconds for a limit of 1 (9-20 wall s at 2,000
+    nodes, against 1-5 s alone; shared/solver-notes.md)."""
+    solver = _solver(seconds, 1, seed, log)
+    solver.parameters.linearization_level = 2
     return solver

@@ -76,7 +76,7 @@ class Relaxation:
     """
 
     def __init__(self, problem: Problem, budget: int, *, exact: bool = True) -> None:
-        self.problem, self.budget = problem, budget
+        self.problem, self.budget, self.exact = problem, budget, exact
         nodes, storage = problem.nodes, problem.storage
         core, reads = _backward_core(problem)
         self.core, self.reads = core, frozenset(reads)
