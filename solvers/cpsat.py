@@ -44,6 +44,7 @@ from .relaxation import Relaxation
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
 BOUND_SHARE = 0.75  # of the time limit, at most, for the linear relaxation
 GAP_LIMIT = 0.01  # stop once the plan is proven within this fraction of the optimum
+POINTS_PER_ROUND = 4  # overflowing backward steps made exact per relaxation round
 EXACT_WEIGHT = 8.0  # of the limit, per deterministic second of the exact model (see below)
 
 
@@ -87,8 +88,10 @@ def cpsat(
     # 1. The linear relaxation alone: its optimum bounds every plan's cost, and its
     #    answer, repaired, is often a good plan.
     used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * BOUND_SHARE)
-    # 2. The exact model, hinted with the best plan so far, until optimal or out of time.
-    search.exact_rounds(Relaxation(problem, budget), (time_limit - used) / EXACT_WEIGHT)
+    # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
+    #    its work is charged EXACT_WEIGHT-fold unless no plan fits yet.
+    weight = EXACT_WEIGHT if search.best is not None else 1.0
+    search.exact_rounds(Relaxation(problem, budget), (time_limit - used) / weight)
     best = search.best
     if best is not None and not search.proven:
         best = fill(problem, best, budget)
@@ -154,17 +157,28 @@ class _Search:
         return status, answer, solver.ResponseProto().deterministic_time
 
     def bound_round(self, relax: Relaxation, seconds: float) -> float:
-        status, answer, used = self.solve(relax, seconds)
-        if answer is None:
-            # out of time, or not even the relaxation fits: then no plan does
-            self.proven = status == cp_model.INFEASIBLE and self.best is None
-            return used
-        if answer.peak > self.budget:
+        """Solve the relaxation; while its answer overflows, make the overflowing backward
+        steps exact (or cut the forward's overflow) and solve again. Every answer's
+        optimum is a bound (the cuts hold for every plan); an answer that fits is the
+        optimum. Returns the deterministic time used."""
+        spent = 0.0
+        while seconds - spent > 0.01:
+            status, answer, used = self.solve(relax, seconds - spent)
+            spent += used
+            if answer is None:
+                # out of time, or not even the relaxation fits: then no plan does
+                self.proven = status == cp_model.INFEASIBLE and self.best is None
+                return spent
+            if answer.peak <= self.budget:
+                if status == cp_model.OPTIMAL:
+                    self.proven = True  # nothing is cheaper, and it fits
+                    self.bound = max(self.bound, answer.recompute_cost)
+                return spent
             self.offer(self.repair(answer))
-        elif status == cp_model.OPTIMAL:
-            self.proven = True  # the relaxation's optimum fits: nothing is cheaper
-            self.bound = max(self.bound, answer.recompute_cost)
-        return used
+            if self.close_enough:
+                return spent
+            _tighten(relax, answer)
+        return spent
 
     def exact_rounds(self, relax: Relaxation, seconds: float) -> None:
         """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat."""
@@ -186,6 +200,25 @@ class _Search:
                 return
             _cut(relax, answer)
             self.offer(self.repair(answer))
+
+
+def _tighten(relax: Relaxation, plan: Plan) -> None:
+    """Cut off an overflowing answer: the core steps where its backward overflows made
+    exact (the worst ``POINTS_PER_ROUND``), else ``_cut``."""
+    budget = relax.budget
+    over = sorted(
+        (
+            (live, relax.pos[node])
+            for phase, node, live in plan.timeline.steps
+            if phase == "bwd" and live > budget and node in relax.pos
+        ),
+        reverse=True,
+    )
+    added = [k for _, k in over if k not in relax.points][:POINTS_PER_ROUND]
+    for k in added:
+        relax.add_point(k)
+    if not added:
+        _cut(relax, plan)
 
 
 def _cut(relax: Relaxation, plan: Plan) -> None:

@@ -95,9 +95,12 @@ class Relaxation:
         m = self.model = cp_model.CpModel()
         self._defs: list = []  # (var, [(coef, var)]) for chain sums, to complete hints
         self._stairs: list = []  # (root, var, consumers that set it) for the same
+        self.points: set[int] = set()  # core steps whose memory is exact (``add_point``)
+        self._early: dict = {}  # (node, k) -> its recompute is needed by core step k
         rel = sorted(self.relevant)
         self.s = {v: m.NewBoolVar(f"s{v}") for v in rel}
         self.r = {v: m.NewBoolVar(f"r{v}") for v in rel}
+        self._movable = frozenset(v for v in rel if nodes[v].recomputable)  # may be re-run
         self.f = {v: m.NewBoolVar(f"f{v}") for v in rel if v not in self.in_base}
         roots = sorted({storage[v] for v in rel} - self.held)
         self.kept = {R: m.NewBoolVar(f"kept{R}") for R in roots}
@@ -336,30 +339,12 @@ class Relaxation:
         problem, m = self.problem, self.model
         nodes, parts, rank = problem.nodes, problem.outputs_of, problem.rank
         storage = problem.storage
-        n, end = len(nodes), n_core
+        n = len(nodes)
         K = n + 1
         horizon = (n_core + 1) * K
-        self.gap, self.time = {}, {}
-        movable = [v for v in sorted(self.r) if nodes[v].recomputable]
-        for v in movable:
-            self.gap[v] = m.NewIntVar(0, end, f"gap{v}")
-        need = {}
-        for v in sorted(movable, reverse=True):
-            terms = [self.first_read[v]] if v in self.first_read else []
-            for u in self.users[v]:
-                if u not in self.gap:
-                    continue
-                later = need[u] if nodes[u].output_of == v else self.gap[u]
-                e = m.NewIntVar(0, end, f"e{v}_{u}")
-                m.Add(e == later).OnlyEnforceIf(self.r[u])
-                m.Add(e == end).OnlyEnforceIf(self.r[u].Not())
-                terms.append(e)
-            need[v] = m.NewIntVar(0, end, f"need{v}")
-            m.AddMinEquality(need[v], terms or [end])
-        for v in movable:
-            op = nodes[v].output_of
-            m.Add(self.gap[v] == need[op if op in need else v])
-            self.time[v] = self.gap[v] * K + rank[v]
+        self.gap: dict = {}  # node -> core position its recompute runs before
+        movable = self._placement()
+        self.time = {v: self.gap[v] * K + rank[v] for v in movable}
 
         intervals, demands = [], []
 
@@ -393,6 +378,137 @@ class Relaxation:
                     m.Add(both >= self.r[x] + self.kept[p] - 1)
                     add(self.time[x], 1, self.time[x] + 1, both, nodes[p].bytes, f"rw{p}")
         m.AddCumulative(intervals, demands, self.budget)
+
+    def _placement(self) -> list[int]:
+        """``gap[v]``: the core position a recompute of v runs before, as ``schedule``
+        places it: ``min(first read, gap of each recomputed consumer)`` (a multi-output
+        op: its recomputed outputs' need). Returns the nodes that have one."""
+        nodes, m, end = self.problem.nodes, self.model, len(self.core)
+        movable = sorted(self._movable)
+        for v in movable:
+            self.gap[v] = m.NewIntVar(0, end, f"gap{v}")
+        need = {}
+        for v in sorted(movable, reverse=True):
+            terms = [self.first_read[v]] if v in self.first_read else []
+            for u in self.users[v]:
+                if u not in self.gap:
+                    continue
+                later = need[u] if nodes[u].output_of == v else self.gap[u]
+                e = m.NewIntVar(0, end, f"e{v}_{u}")
+                m.Add(e == later).OnlyEnforceIf(self.r[u])
+                m.Add(e == end).OnlyEnforceIf(self.r[u].Not())
+                terms.append(e)
+            need[v] = m.NewIntVar(0, end, f"need{v}")
+            m.AddMinEquality(need[v], terms or [end])
+        for v in movable:
+            op = nodes[v].output_of
+            m.Add(self.gap[v] == need[op if op in need else v])
+        return movable
+
+    def add_point(self, k: int) -> bool:
+        """The backward's memory during core step k, exactly: a cut every plan
+        satisfies, added where an answer overflowed (the prefix chains miss recomputes
+        pulled early by recomputed consumers, and saved values read late by
+        recomputes). Returns False if the point is already there."""
+        if k in self.points:
+            return False
+        self.points.add(k)
+        m, nodes, terms = self.model, self.problem.nodes, []
+        for R in sorted(self.kept):
+            if nodes[R].bytes:
+                live = self._live_at(R, k)
+                if live is not None:
+                    terms.append(nodes[R].bytes * live)
+        m.Add(sum(terms) <= self.budget - self.base_live[k])
+        return True
+
+    def _live_at(self, R: int, k: int):
+        """A literal true in every plan where forward storage R is live during core step
+        k (or None if it never is): made by then (saved, or its op recomputed in a gap
+        <= k) and touched later (a core reader at >= k, or a recompute in a gap > k)."""
+        m, nodes = self.model, self.problem.nodes
+        op = nodes[R].output_of
+        maker = op if op is not None else R
+        made = [self.kept[R]]
+        if maker in self._movable:
+            made.append(self._placed(maker, k, by=True))
+        if self.use.get(R, (0, -1))[1] >= k:
+            later = None  # a core step at or after k reads it
+        else:
+            members = self.members[R]
+            touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
+            later_lits = [
+                self._placed(u, k, by=False) for u in sorted(touchers) if u in self._movable
+            ]
+            if not later_lits:
+                return None
+            later = m.NewBoolVar(f"later{R}_{k}")
+            for lit in later_lits:
+                m.Add(later >= lit)
+        live = m.NewBoolVar(f"live{R}_{k}")
+        for lit in made:
+            m.Add(live >= lit if later is None else live >= lit + later - 1)
+        return live
+
+    def _placed(self, v: int, k: int, *, by: bool):
+        """A literal: v is recomputed and runs before core step k (``by``), or after it."""
+        early = self._early_by(v, k)
+        lit = self.model.NewBoolVar(f"{'by' if by else 'after'}{v}_{k}")
+        if by:
+            self.model.Add(lit >= self.r[v] + early - 1)
+        else:
+            self.model.Add(lit >= self.r[v] - early)
+        return lit
+
+    def _early_by(self, v: int, k: int):
+        """``gap[v] <= k`` as a literal, by the recursion that defines the gap (see
+        ``_placement``): read by core step k, or needed by a recomputed consumer placed
+        by then. Booleans only: the gap integers slowed the relaxation 4x."""
+        op = self.problem.nodes[v].output_of
+        return self._needed_by(op if op in self._movable else v, k)
+
+    def _needed_by(self, v: int, k: int):
+        """``need[v] <= k`` (see ``_placement``), made for v's recomputable consumers
+        first (iteratively: chains run thousands of nodes deep)."""
+        early, stack = self._early, [v]
+        while stack:
+            x = stack[-1]
+            if (x, k) in early:
+                stack.pop()
+                continue
+            if self.first_read.get(x, NEVER) <= k:
+                early[x, k] = self.model.NewConstant(1)
+                stack.pop()
+                continue
+            sooner = [self._sooner_key(x, u) for u in self.users[x] if u in self._movable]
+            todo = [y for y in sooner if (y, k) not in early]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            early[x, k] = self._any_pull(x, k, sooner)
+        return early[v, k]
+
+    def _sooner_key(self, v: int, u: int) -> int:
+        """Whose need places consumer u: its own op's, unless u is one of v's outputs."""
+        op = self.problem.nodes[u].output_of
+        if op == v:
+            return u
+        return op if op in self._movable else u
+
+    def _any_pull(self, v: int, k: int, sooner: list[int]):
+        m, pulls = self.model, []
+        for u, y in zip((u for u in self.users[v] if u in self._movable), sooner, strict=True):
+            pull = m.NewBoolVar(f"pull{v}_{u}_{k}")
+            m.AddBoolAnd([self.r[u], self._early[y, k]]).OnlyEnforceIf(pull)
+            m.AddBoolOr([self.r[u].Not(), self._early[y, k].Not(), pull])
+            pulls.append(pull)
+        lit = m.NewBoolVar(f"early{v}_{k}")
+        if pulls:
+            m.AddMaxEquality(lit, pulls)
+        else:
+            m.Add(lit == 0)
+        return lit
 
     def _storage_interval(self, R: int, K: int, horizon: int, is_grad: bool, add) -> None:
         """Storage R is live from the start (saved) or its recompute (or its op's) to the

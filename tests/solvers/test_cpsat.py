@@ -116,9 +116,11 @@ def tiny_problems():
 # ----------------------------------------------------------------------------- helpers
 
 
-def solve_fixed(problem: Problem, plan: Plan, budget: int, *, exact: bool = True):
+def solve_fixed(problem: Problem, plan: Plan, budget: int, *, exact: bool = True, points=()):
     """Fix every variable the canonical assignment names and solve for the rest."""
     relax = Relaxation(problem, budget, exact=exact)
+    for k in points:
+        relax.add_point(k)
     for var, value in relax.canonical(plan).items():
         relax.model.Add(var == value)
     solver = cp_model.CpSolver()
@@ -225,6 +227,33 @@ def test_backward_memory_is_exact(data, problem):
     saved = data.draw(savable_subsets(problem), label="saved")
     plan = plan_of(problem, saved)
     assume(check_exact_backward(problem, plan))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(120))
+def test_exact_points_hold_for_every_plan(data, problem):
+    saved = data.draw(savable_subsets(problem), label="saved")
+    plan = plan_of(problem, saved)
+    core = Relaxation(problem, plan.peak, exact=False).core
+    _, solver, status = solve_fixed(problem, plan, plan.peak, exact=False, points=range(len(core)))
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), (
+        f"saved={sorted(plan.saved)} violates an exact point: {solver.StatusName(status)}"
+    )
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(120))
+def test_an_exact_point_at_the_peak_is_tight(data, problem):
+    """A backward peak during a core step: one byte less, and its point refuses the plan."""
+    saved = data.draw(savable_subsets(problem), label="saved")
+    plan = plan_of(problem, saved)
+    timeline = plan.timeline
+    relax = Relaxation(problem, plan.peak, exact=False)
+    assume(timeline.peak_phase == "bwd" and timeline.forward_peak < plan.peak)
+    assume(timeline.peak_node in relax.pos and plan.peak > 1)
+    k = relax.pos[timeline.peak_node]
+    _, solver, status = solve_fixed(problem, plan, plan.peak - 1, exact=False, points=[k])
+    assert status == cp_model.INFEASIBLE, solver.StatusName(status)
 
 
 @settings(max_examples=30, **SETTINGS)
