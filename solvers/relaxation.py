@@ -101,6 +101,7 @@ class Relaxation:
         self._stairs: list = []  # (root, var, consumers that set it) for the same
         self.points: set[int] = set()  # core steps whose memory is exact (``add_point``)
         self._early: dict = {}  # (node, k) -> its recompute is needed by core step k
+        self._derived: list = []  # (var, values -> its value), in the order made
         rel = sorted(self.relevant)
         self.s = {v: m.NewBoolVar(f"s{v}") for v in rel}
         self.r = {v: m.NewBoolVar(f"r{v}") for v in rel}
@@ -294,8 +295,9 @@ class Relaxation:
         for k in range(n_core):
             m.Add(kept_chain[k] + rec_chain[k] <= self.budget - self.base_live[k])
         # at the backward's first step every saved storage is live (each is read later)
-        everything = sum(nodes[R].bytes * var for R, var in self.kept.items())
-        m.Add(everything <= self.budget - self.held_bytes)
+        everything = [nodes[R].bytes * var for R, var in self.kept.items() if nodes[R].bytes]
+        if everything or self.budget < self.held_bytes:
+            m.Add(sum(everything) <= self.budget - self.held_bytes)
 
         # each recompute's own step: its outputs, its inputs, saved storages read later;
         # and, if no consumer pulls it earlier, what the backward holds in its gap
@@ -423,7 +425,8 @@ class Relaxation:
                 live = self._live_at(R, k)
                 if live is not None:
                     terms.append(nodes[R].bytes * live)
-        m.Add(sum(terms) <= self.budget - self.base_live[k])
+        if terms:  # (without, the chains already hold the backward's own bytes under it)
+            m.Add(sum(terms) <= self.budget - self.base_live[k])
         return True
 
     def _live_at(self, R: int, k: int):
@@ -441,6 +444,8 @@ class Relaxation:
         else:
             members = self.members[R]
             touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
+            if op is not None:
+                touchers.add(op)  # re-running its op rewrites R
             later_lits = [
                 self._placed(u, k, by=False) for u in sorted(touchers) if u in self._movable
             ]
@@ -449,19 +454,24 @@ class Relaxation:
             later = m.NewBoolVar(f"later{R}_{k}")
             for lit in later_lits:
                 m.Add(later >= lit)
+            self._derive(later, lambda x: max(x[lit] for lit in later_lits))
         live = m.NewBoolVar(f"live{R}_{k}")
         for lit in made:
             m.Add(live >= lit if later is None else live >= lit + later - 1)
+        self._derive(live, lambda x: max(x[lit] for lit in made) and (later is None or x[later]))
         return live
 
     def _placed(self, v: int, k: int, *, by: bool):
         """A literal: v is recomputed and runs before core step k (``by``), or after it."""
         early = self._early_by(v, k)
         lit = self.model.NewBoolVar(f"{'by' if by else 'after'}{v}_{k}")
+        r = self.r[v]
         if by:
-            self.model.Add(lit >= self.r[v] + early - 1)
+            self.model.Add(lit >= r + early - 1)
+            self._derive(lit, lambda x: x[r] and x[early])
         else:
-            self.model.Add(lit >= self.r[v] - early)
+            self.model.Add(lit >= r - early)
+            self._derive(lit, lambda x: x[r] and not x[early])
         return lit
 
     def _early_by(self, v: int, k: int):
@@ -482,6 +492,7 @@ class Relaxation:
                 continue
             if self.first_read.get(x, NEVER) <= k:
                 early[x, k] = self.model.NewConstant(1)
+                self._derive(early[x, k], lambda _: 1)
                 stack.pop()
                 continue
             sooner = [self._sooner_key(x, u) for u in self.users[x] if u in self._movable]
@@ -503,16 +514,23 @@ class Relaxation:
     def _any_pull(self, v: int, k: int, sooner: list[int]):
         m, pulls = self.model, []
         for u, y in zip((u for u in self.users[v] if u in self._movable), sooner, strict=True):
-            pull = m.NewBoolVar(f"pull{v}_{u}_{k}")
-            m.AddBoolAnd([self.r[u], self._early[y, k]]).OnlyEnforceIf(pull)
-            m.AddBoolOr([self.r[u].Not(), self._early[y, k].Not(), pull])
+            pull, r, sooner_lit = m.NewBoolVar(f"pull{v}_{u}_{k}"), self.r[u], self._early[y, k]
+            m.AddBoolAnd([r, sooner_lit]).OnlyEnforceIf(pull)
+            m.AddBoolOr([r.Not(), sooner_lit.Not(), pull])
+            self._derive(pull, lambda x, r=r, e=sooner_lit: x[r] and x[e])
             pulls.append(pull)
         lit = m.NewBoolVar(f"early{v}_{k}")
         if pulls:
             m.AddMaxEquality(lit, pulls)
         else:
             m.Add(lit == 0)
+        self._derive(lit, lambda x: max((x[p] for p in pulls), default=0))
         return lit
+
+    def _derive(self, var, value) -> None:
+        """Record how a plan's values give ``var``'s (``value(values)``), for hints:
+        a hint CP-SAT must complete itself is often one it cannot use."""
+        self._derived.append((var, value))
 
     def _storage_interval(self, R: int, K: int, horizon: int, is_grad: bool, add) -> None:
         """Storage R is live from the start (saved) or its recompute (or its op's) to the
@@ -622,6 +640,8 @@ class Relaxation:
             values[var] = int(R in plan.recomputed and any(u in plan.recomputed for u in pulling))
         for var, terms in self._defs:
             values[var] = sum(c * values[x] for c, x in terms)
+        for var, value in self._derived:
+            values[var] = int(value(values))
         return values
 
     def hint(self, plan: Plan) -> None:

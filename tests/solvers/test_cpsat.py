@@ -241,6 +241,25 @@ def test_exact_points_hold_for_every_plan(data, problem):
     )
 
 
+@settings(max_examples=30, **SETTINGS)
+@given(data=st.data(), problem=solver_problems(120))
+def test_hints_name_every_variable_of_the_relaxation(data, problem):
+    """With exact points too: CP-SAT often cannot use a hint it must complete."""
+    saved = data.draw(savable_subsets(problem), label="saved")
+    plan = plan_of(problem, saved)
+    relax = Relaxation(problem, plan.peak, exact=False)
+    for k in range(len(relax.core)):
+        relax.add_point(k)
+    hinted = {var.Index() for var in relax.canonical(plan)}
+    free = {
+        i
+        for i, var in enumerate(relax.model.Proto().variables)
+        if len(var.domain) > 2 or var.domain[0] != var.domain[-1]
+    }
+    names = relax.model.Proto().variables
+    assert free <= hinted, [names[i].name for i in free - hinted]
+
+
 @settings(max_examples=60, **SETTINGS)
 @given(data=st.data(), problem=solver_problems(120))
 def test_an_exact_point_at_the_peak_is_tight(data, problem):
