@@ -27,7 +27,7 @@ starts from (also polished). ``bound`` is the best proven bound of either phase,
 
 Deterministic: one seed, a limit in CP-SAT's *deterministic* time (a work count,
 the same on every machine) and, with several workers, interleaved search; so every
-rank of a distributed job gets the same plan. The default limit of 2 took 2-10 wall
+rank of a distributed job gets the same plan. The default limit of 2 took 1-12 wall
 seconds on graphs of 500-2,000 nodes on our 2-core machines. Each solve also has a
 wall-clock guard of ``WALL_FACTOR`` times its limit against pathological models; only
 if it fires can two runs differ.
@@ -88,8 +88,8 @@ def cpsat(
     except InfeasibleBudget as e:
         first, refusal = None, e  # CP-SAT may still find a plan the greedy cannot
     search = _Search(problem, budget, first, workers, seed, log, gap_limit)
-    # 1. The linear relaxation alone: its optimum bounds every plan's cost, and its
-    #    answer, repaired, is often a good plan.
+    # 1. The relaxation, made exact where its answers overflow: each optimum bounds every
+    #    plan's cost, and each answer, repaired, is a candidate.
     used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * BOUND_SHARE)
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
     #    its work is charged EXACT_WEIGHT-fold unless no plan fits yet.
@@ -261,5 +261,7 @@ def _relaxation_solver(seconds: float, seed: int, log: bool) -> cp_model.CpSolve
     nodes, against 1-5 s alone; shared/solver-notes.md)."""
     solver = _solver(seconds, 1, seed, log)
     solver.parameters.linearization_level = 2
-    solver.parameters.use_symmetry_in_lp = True  # repeated layers: the 6-layer gpt at 80%
-    return solver  # proved its optimum in 1.4 det s with it, not in 3 without
+    # layers repeat: with symmetry in the LP the 6-layer gpt's relaxation at 80% was
+    # proven optimal in 1.4 deterministic s, without it not in 3
+    solver.parameters.use_symmetry_in_lp = True
+    return solver
