@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["boxed", "extract_fwd_bwd_modules", "mutated_inputs", "real_tensors"]
+__all__ = ["boxed", "extract_fwd_bwd_modules", "mutated_inputs", "real_tensors", "storage_of"]
 
 
 def extract_fwd_bwd_modules(
@@ -49,3 +51,14 @@ def real_tensors():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def storage_of(value) -> StorageWeakRef | None:
+    """A hashable handle on the storage a tensor (real or fake) lives in, equal for every
+    view of it; None for non-tensors and tensors without one storage (sparse, nested)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except Exception:  # sparse and nested tensors have no single storage
+        return None

@@ -29,7 +29,8 @@ import operator
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._torch_compat import storage_of
 
 aten = torch.ops.aten
 
@@ -67,8 +68,8 @@ def _droppable(node: fx.Node, source, observable: set) -> bool:
     )
     if not same_layout:
         return False
-    storage = _storage(src)
-    if storage is None or storage in observable or _storage(out) in observable:
+    storage = storage_of(src)
+    if storage is None or storage in observable or storage_of(out) in observable:
         return False
     return not any(_writes(user, node) for user in node.users)
 
@@ -78,20 +79,20 @@ def _observable_storages(graph: fx.Graph) -> set:
     inputs) and outputs' (forward outputs and gradients alike)."""
     held: list[fx.Node] = list(graph.find_nodes(op="placeholder"))
     fx.node.map_arg(graph.output_node().args, held.append)
-    return {s for n in held for t in _tensors(_val(n)) if (s := _storage(t)) is not None}
+    return {s for n in held for t in _tensors(_val(n)) if (s := storage_of(t)) is not None}
 
 
 def _sharing_storage(node: fx.Node) -> list[fx.Node]:
     """Nodes after ``node`` whose fake value lives in ``node``'s storage (its views), in
     graph order."""
-    storage = _storage(_val(node))
+    storage = storage_of(_val(node))
     found, seen, frontier = [], {node}, list(node.users)
     while frontier:
         user = frontier.pop()
         if user in seen:
             continue
         seen.add(user)
-        if any(_storage(t) == storage for t in _tensors(_val(user))):
+        if any(storage_of(t) == storage for t in _tensors(_val(user))):
             found.append(user)
             frontier.extend(user.users)
     order = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -135,12 +136,3 @@ def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     return []
-
-
-def _storage(value) -> StorageWeakRef | None:
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(value.untyped_storage())
-    except Exception:  # sparse and nested tensors have no single storage
-        return None

@@ -50,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 import remat.passes.rng  # noqa: F401  (registers remat::dropout_mask, read below)
+from remat.passes._torch_compat import storage_of
 
 log = logging.getLogger(__name__)
 
@@ -233,15 +234,6 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _storage(t: Any) -> StorageWeakRef | None:
-    if not isinstance(t, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except Exception:  # e.g. sparse/nested tensors have no single storage
-        return None
-
-
 def _same_storage(a: StorageWeakRef | None, b: StorageWeakRef | None) -> bool:
     return a is not None and b is not None and a.cdata == b.cdata
 
@@ -317,17 +309,17 @@ def _alias_of(node: fx.Node, op_node: fx.Node, ret_index: int | None) -> fx.Node
     the arbiter when present: they veto schema aliases that copy at runtime (reshape or
     contiguous of a non-viewable input) and find unannotated aliases (_unsafe_view).
     """
-    out_storage = _storage(_val(node))
+    out_storage = storage_of(_val(node))
     claim = _schema_alias_arg(op_node, ret_index)
     if claim is not None and isinstance(claim[0], fx.Node):
         base = claim[0]
-        base_storage = _storage(_val(base))
+        base_storage = storage_of(_val(base))
         if out_storage is None or base_storage is None or _same_storage(out_storage, base_storage):
             return base
         return None
     if out_storage is not None:
         for inp in _input_nodes(op_node):
-            if _same_storage(_storage(_val(inp)), out_storage):
+            if _same_storage(storage_of(_val(inp)), out_storage):
                 return inp
         return None
     schema = _schema(op_node.target)
