@@ -97,11 +97,10 @@ class Relaxation:
         self.in_base = frozenset(self.base_order)
 
         m = self.model = cp_model.CpModel()
-        self._defs: list = []  # (var, [(coef, var)]) for chain sums, to complete hints
-        self._stairs: list = []  # (root, var, consumers that set it) for the same
         self.points: set[int] = set()  # core steps whose memory is exact (``add_point``)
         self._early: dict = {}  # (node, k) -> its recompute is needed by core step k
-        self._derived: list = []  # (var, values -> its value), in the order made
+        self._derived: list = []  # (var, values -> its value), in the order made: hints
+        self._placed_lits: dict = {}  # (node, k, by) -> ``_placed``'s literal
         rel = sorted(self.relevant)
         self.s = {v: m.NewBoolVar(f"s{v}") for v in rel}
         self.r = {v: m.NewBoolVar(f"r{v}") for v in rel}
@@ -247,7 +246,7 @@ class Relaxation:
             if start < len(order) and nodes[R].bytes:
                 deltas.setdefault(start, []).append((nodes[R].bytes, var))
         chain, defs = _chain(self.model, self.upper, "F", len(order), deltas)
-        self._defs += defs
+        self._derive_sums(defs)
         for p, (_, _, live) in enumerate(run.steps):
             self.model.Add(chain[p] <= self.budget - live)
 
@@ -270,7 +269,7 @@ class Relaxation:
                 drops.setdefault(0, []).append((nodes[R].bytes, var))
                 drops.setdefault(self.use[R][1] + 1, []).append((-nodes[R].bytes, var))
         kept_chain, defs = _chain(m, self.upper, "P", n_core + 1, drops)
-        self._defs += defs
+        self._derive_sums(defs)
 
         # recomputed storages: live over [first use, last use], earlier when a
         # recomputed consumer is placed earlier
@@ -291,7 +290,7 @@ class Relaxation:
             if prev is not None:
                 deltas[first].append((-size, prev))
         rec_chain, defs = _chain(m, self.upper, "Q", n_core + 1, deltas)
-        self._defs += defs
+        self._derive_sums(defs)
         for k in range(n_core):
             m.Add(kept_chain[k] + rec_chain[k] <= self.budget - self.base_live[k])
         # at the backward's first step every saved storage is live (each is read later)
@@ -462,9 +461,14 @@ class Relaxation:
         return live
 
     def _placed(self, v: int, k: int, *, by: bool):
-        """A literal: v is recomputed and runs before core step k (``by``), or after it."""
+        """A literal: v is recomputed and runs before core step k (``by``), or after it.
+        Made once per (v, k, by): v may touch several storages live at k."""
+        if (v, k, by) in self._placed_lits:
+            return self._placed_lits[v, k, by]
         early = self._early_by(v, k)
-        lit = self.model.NewBoolVar(f"{'by' if by else 'after'}{v}_{k}")
+        lit = self._placed_lits[v, k, by] = self.model.NewBoolVar(
+            f"{'by' if by else 'after'}{v}_{k}"
+        )
         r = self.r[v]
         if by:
             self.model.Add(lit >= r + early - 1)
@@ -526,6 +530,11 @@ class Relaxation:
             m.Add(lit == 0)
         self._derive(lit, lambda x: max((x[p] for p in pulls), default=0))
         return lit
+
+    def _derive_sums(self, defs: list) -> None:
+        """``_derive`` for a chain's ``(var, [(coef, var)])`` definitions."""
+        for var, terms in defs:
+            self._derive(var, lambda x, terms=terms: sum(c * x[v] for c, v in terms))
 
     def _derive(self, var, value) -> None:
         """Record how a plan's values give ``var``'s (``value(values)``), for hints:
@@ -611,7 +620,8 @@ class Relaxation:
             for u in by_step[k]:
                 self.model.Add(a >= self.r[R] + self.r[u] - 1)
             pulling = pulling + by_step[k]
-            self._stairs.append((R, a, tuple(pulling)))
+            r, pullers = self.r[R], tuple(self.r[u] for u in pulling)
+            self._derive(a, lambda x, r=r, us=pullers: x[r] and any(x[u] for u in us))
             steps.append((k, a))
             prev = a
         return steps
@@ -636,10 +646,6 @@ class Relaxation:
         kept_roots = {storage[i] for i in plan.saved}
         for R, var in self.kept.items():
             values[var] = int(R in kept_roots)
-        for R, var, pulling in self._stairs:
-            values[var] = int(R in plan.recomputed and any(u in plan.recomputed for u in pulling))
-        for var, terms in self._defs:
-            values[var] = sum(c * values[x] for c, x in terms)
         for var, value in self._derived:
             values[var] = int(value(values))
         return values
