@@ -29,7 +29,8 @@ point does not count as a point of the curve (``dominates``).
 Then ``repeat`` timed rounds, each running one step of every configuration in turn (the
 first round in table order, later ones shuffled with a fixed seed), so that drift of the
 machine hits all alike and no configuration always follows the same one; a row's
-``step_s`` is its median.
+``step_s`` is its median, ``spread`` half the interquartile range of its times over
+that median (the table's ``+-``): on a shared machine, differences below it are noise.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
     "METHODS",
     "Row",
     "dominates",
+    "fastest_within",
     "pareto_budgets",
     "plot_rows",
     "rows_table",
@@ -86,6 +88,7 @@ class Row:
     compiler: str | None = None
     peak_bytes: int | None = None
     step_s: float | None = None
+    spread: float | None = None  # half the step times' interquartile range / step_s
     overhead: float | None = None  # step_s / eager's step_s - 1
     compile_s: float | None = None
     plan_s: float | None = None  # remat: planning time of all graphs
@@ -209,6 +212,7 @@ def run_bench(
         if not row.times:
             continue
         row.step_s = statistics.median(row.times)
+        row.spread = _spread(row.times)
         if row.compile_s is not None:
             row.compile_s = max(row.compile_s - row.step_s, 0.0)
         if row.method == "eager":
@@ -218,6 +222,15 @@ def run_bench(
         if row.step_s is not None and eager_time:
             row.overhead = row.step_s / eager_time - 1
     return [c.row for c in configs]
+
+
+def _spread(times: list[float]) -> float | None:
+    """Half the interquartile range of a row's step times over their median: the
+    noise a difference between two rows' ``step_s`` has to beat to mean anything."""
+    if len(times) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / 2 / statistics.median(times)
 
 
 def _round_order(configs: list[_Config], round_index: int) -> list[_Config]:
@@ -516,16 +529,26 @@ def dominates(rows: Sequence[Row], *, slack: float = 1.02) -> list[tuple[Row, Ro
     """For each measured torch row whose gradients are eager's, the remat row (gradients
     eager's too) with peak <= its peak and time <= slack x its time (the fastest such), or
     None when no remat row does. Rows with wrong gradients are not points of a curve."""
-    remat_rows = [r for r in rows if r.method == "remat" and r.step_s is not None and r.grads_ok]
     out = []
     for t in rows:
         if t.method != "torch" or t.step_s is None or not t.grads_ok:
             continue
-        ok = [
-            r for r in remat_rows if r.peak_bytes <= t.peak_bytes and r.step_s <= slack * t.step_s
-        ]
-        out.append((t, min(ok, key=lambda r: r.step_s) if ok else None))
+        best = fastest_within(rows, t.peak_bytes)
+        out.append((t, best if best is not None and best.step_s <= slack * t.step_s else None))
     return out
+
+
+def fastest_within(rows: Sequence[Row], peak_bytes: int) -> Row | None:
+    """The fastest measured remat row (gradients eager's) whose peak is <= ``peak_bytes``."""
+    ok = [
+        r
+        for r in rows
+        if r.method == "remat"
+        and r.step_s is not None
+        and r.grads_ok
+        and r.peak_bytes <= peak_bytes
+    ]
+    return min(ok, key=lambda r: r.step_s, default=None)
 
 
 def frontier(rows: Sequence[Row]) -> list[Row]:
@@ -568,6 +591,7 @@ TABLE_HEADERS = (
     "peak",
     "vs eager",
     "step",
+    "+-",
     "overhead",
     "compile",
     "predicted",
@@ -596,6 +620,7 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
                 format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
                 f"{r.peak_bytes / eager:.2f}x" if r.peak_bytes is not None and eager else "",
                 _seconds(r.step_s),
+                f"{r.spread:.1%}" if r.spread is not None else "",
                 f"{r.overhead:+.1%}" if r.overhead is not None else "",
                 f"{r.compile_s:.1f} s" if r.compile_s is not None else "",
                 format_bytes(r.predicted_peak) if r.predicted_peak is not None else "",

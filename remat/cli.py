@@ -940,12 +940,12 @@ def cmd_bench(args, progress: _Progress) -> int:
         )
     verdicts = bench.dominates(rows)
     if verdicts:
-        missing = [t.label for t, r in verdicts if r is None]
+        missing = [_nearest_text(rows, t) for t, r in verdicts if r is None]
         print()
         if missing:
             print(
                 f"remat dominates {len(verdicts) - len(missing)}/{len(verdicts)} torch points "
-                f"(a remat point with peak <= and time <= 1.02x); not: {', '.join(missing)}"
+                f"(a remat point with peak <= and time <= 1.02x); not: {'; '.join(missing)}"
             )
         else:
             print(
@@ -953,6 +953,19 @@ def cmd_bench(args, progress: _Progress) -> int:
                 "peak <= and time <= 1.02x each)"
             )
     return EXIT_OK
+
+
+def _nearest_text(rows, torch_row) -> str:
+    """A missed torch point, with how far remat's fastest point at no more memory is
+    (and the two rows' timing spread: a miss within it is a tie)."""
+    from remat import bench
+
+    best = bench.fastest_within(rows, torch_row.peak_bytes)
+    if best is None:
+        return f"{torch_row.label} (no remat point at or below its peak)"
+    noise = max(r.spread or 0.0 for r in (best, torch_row))
+    ratio = best.step_s / torch_row.step_s
+    return f"{torch_row.label} (nearest: {best.label} at {ratio:.3f}x its time, +-{noise:.1%})"
 
 
 def cmd_pareto(args, progress: _Progress) -> int:

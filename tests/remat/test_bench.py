@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat import bench, examples
+from remat import bench, cli, examples
 from remat.bench import Row, run_bench
 from remat.cli import main
 
@@ -88,6 +88,7 @@ def test_measured_rows(mlp_rows):
             assert r.peak_bytes > 0 and r.step_s > 0, r
             assert len(r.times) == 2 and r.compile_s >= 0
             assert r.overhead == pytest.approx(r.step_s / eager.step_s - 1)
+            assert r.spread == pytest.approx(bench._spread(r.times)) and r.spread >= 0
     torch_rows = [r for r in mlp_rows if r.method == "torch"]
     assert all(r.error is None for r in torch_rows)  # torch takes any fraction
     # No random ops: every program computes eager's gradients, up to float reordering.
@@ -143,6 +144,13 @@ def test_run_bench_rejects_bad_arguments():
         run_bench("mlp", [1.0], cost_model=("roofline", "guess"))
 
 
+def test_spread_is_half_the_interquartile_range_over_the_median():
+    assert bench._spread([2.0]) is None  # one step: no spread to report
+    # quartiles of 1..5 (inclusive) are 2 and 4, the median 3: (4 - 2) / 2 / 3
+    assert bench._spread([5.0, 1.0, 3.0, 2.0, 4.0]) == pytest.approx(1 / 3)
+    assert bench._spread([1.5, 1.5, 1.5]) == 0.0
+
+
 def test_timing_rounds_shuffle_the_order_reproducibly():
     configs = [bench._Config(Row("remat", budget=b / 10)) for b in range(1, 11)]
     assert bench._round_order(configs, 0) == configs  # the first round in table order
@@ -161,6 +169,14 @@ def test_dominates_and_frontier():
     verdicts = dict((t.budget, r) for t, r in bench.dominates([t1, t2, r1, r2]))
     assert verdicts[1.0] is r1  # 1.01 <= 1.02 x 1.0
     assert verdicts[0.5] is None  # nothing at peak <= 60
+    assert bench.fastest_within([t1, r1, r2], 100) is r1 and bench.fastest_within([r2], 60) is None
+    t4, r4 = row("torch", 80, 1.0, 0.7), row("remat", 75, 1.05, 0.65)
+    t4.spread, r4.spread = 0.01, 0.04
+    assert bench.dominates([t4, r4]) == [(t4, None)]  # 1.05x: a miss, within the noise
+    assert cli._nearest_text([t4, r4], t4) == (
+        "torch min-cut @ 0.7 (nearest: remat auto @ 0.65 at 1.050x its time, +-4.0%)"
+    )
+    assert "no remat point" in cli._nearest_text([t4], t4)
     assert bench.frontier([t1, t2, r1, r2]) == [t1, t2, r2]
     # Wrong gradients: such a torch point needs no dominating, such a remat point cannot.
     t3 = row("torch", 10, 1.0, 0.1)
