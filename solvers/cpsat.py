@@ -263,7 +263,7 @@ def _relaxation_solver(seconds: float, seed: int, log: bool) -> cp_model.CpSolve
     subsolver): on the relaxation it is the worker that proves the optimum, and alone it
     keeps to the limit. Four interleaved workers proved the same optimum but ran their
     whole batch first: 4-8 deterministic seconds for a limit of 1 (9-20 wall s at 2,000
-    nodes, against 1-5 s alone; shared/solver-notes.md)."""
+    nodes, against 1-5 s alone; docs/solver-notes.md)."""
     solver = _solver(seconds, 1, seed, log)
     solver.parameters.linearization_level = 2
     # layers repeat: with symmetry in the LP the 6-layer gpt's relaxation at 80% was

@@ -23,7 +23,7 @@ Memory, two layers:
   guarantees: a saved storage lives until its last backward reader, a recomputed one
   at least from its first to its last, and earlier when a recomputed consumer needs
   it earlier. The sums run as prefix chains (one integer per step, O(n) terms), the
-  encoding CP-SAT solves fastest (shared/solver-notes.md). Alone (``exact=False``) this
+  encoding CP-SAT solves fastest (docs/solver-notes.md). Alone (``exact=False``) this
   is a linear relaxation whose optimum bounds every plan's cost;
 - the **exact backward** (``_exact_backward``): every backward step, as one cumulative
   over the schedule's own order. The forward stays a lower bound.
