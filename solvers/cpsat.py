@@ -2,8 +2,9 @@
 
 Two phases share the time limit:
 
-1. the relaxation (prefix-sum memory chains, no exact backward), up to
-   ``BOUND_SHARE`` of the limit, on one worker with CP-SAT's strongest LP. Its optimum
+1. the relaxation (prefix-sum memory chains, no exact backward), on one worker with
+   CP-SAT's strongest LP, up to the whole limit once the greedy's plan fits (else up to
+   ``BOUND_SHARE``, leaving the exact model time to find a plan). Its optimum
    is a lower bound on every plan's cost; its answer, repaired by ``descend`` when it
    overflows and polished by ``fill``, is a candidate plan. While the answer overflows,
    the backward steps where it does are made exact (``add_point``: cuts every plan
@@ -46,7 +47,7 @@ from .problem import Problem
 from .relaxation import Relaxation
 
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
-BOUND_SHARE = 0.75  # of the time limit, at most, for the linear relaxation
+BOUND_SHARE = 0.75  # of the time limit, at most, for the relaxation while no plan fits
 GAP_LIMIT = 0.01  # stop once the plan is proven within this fraction of the optimum
 POINTS_PER_ROUND = 4  # overflowing backward steps made exact per relaxation round
 EXACT_WEIGHT = 8.0  # of the limit, per deterministic second of the exact model (see below)
@@ -93,7 +94,10 @@ def cpsat(
     search = _Search(problem, budget, first, workers, seed, log, gap_limit)
     # 1. The relaxation, made exact where its answers overflow: each optimum bounds every
     #    plan's cost, and each answer, repaired, is a candidate.
-    used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * BOUND_SHARE)
+    #    With a plan in hand it may take the whole limit: the exact model then runs only
+    #    on what it leaves (below MIN_EXACT it would find nothing anyway).
+    share = 1.0 if first is not None else BOUND_SHARE
+    used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * share)
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
     #    its work is charged EXACT_WEIGHT-fold unless no plan fits yet.
     weight = EXACT_WEIGHT if search.best is not None else 1.0
