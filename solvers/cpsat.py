@@ -49,7 +49,9 @@ from .relaxation import Relaxation
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
 BOUND_SHARE = 0.75  # of the time limit, at most, for the relaxation while no plan fits
 GAP_LIMIT = 0.01  # stop once the plan is proven within this fraction of the optimum
-POINTS_PER_ROUND = 4  # overflowing backward steps made exact per relaxation round
+# overflowing backward steps made exact per relaxation round: few keep each round cheap
+# (2 closed more gaps than 1, 3, 4 or 8 on three graph families, docs/solver-notes.md)
+POINTS_PER_ROUND = 2
 EXACT_WEIGHT = 8.0  # of the limit, per deterministic second of the exact model (see below)
 # Below this many deterministic seconds the exact model is not run (once a plan fits): at
 # 0.06 it found nothing on 1,000-2,000 nodes and its presolve still took 1.5-2.3 wall s.
