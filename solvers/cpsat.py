@@ -18,7 +18,8 @@ Two phases share the time limit:
    plan, so it gets the rest of the limit divided by ``EXACT_WEIGHT`` (not run below
    ``MIN_EXACT``), in full only when no plan fits yet.
 
-Both phases stop once the incumbent is proven within ``gap_limit`` (1%) of the optimum.
+Both phases stop once the incumbent is proven within ``gap_limit`` (1%) of the optimum:
+the relaxation from inside CP-SAT (a bound callback), not only between rounds.
 
 Each solve's final answer is simulated (not the intermediate ones: which of those
 CP-SAT reports depends on thread timing, its final answer does not); the cheapest
@@ -107,7 +108,7 @@ def cpsat(
     if exact_seconds >= MIN_EXACT or search.best is None:
         search.exact_rounds(Relaxation(problem, budget), exact_seconds)
     best = search.best
-    if best is not None and not search.proven:
+    if best is not None and not search.proven and not search.polished:
         best = fill(problem, best, budget)
     if best is None:
         r = refusal
@@ -132,6 +133,7 @@ class _Search:
         self.problem, self.budget, self.best = problem, budget, best
         self.workers, self.seed, self.log, self.gap_limit = workers, seed, log, gap_limit
         self.bound, self.proven = 0.0, False
+        self.polished = best is not None  # ``best`` went through ``fill`` already
 
     @property
     def close_enough(self) -> bool:
@@ -140,9 +142,9 @@ class _Search:
             return False
         return self.best.recompute_cost - self.bound <= self.gap_limit * self.best.recompute_cost
 
-    def offer(self, plan: Plan) -> None:
+    def offer(self, plan: Plan, polished: bool = False) -> None:
         if plan.peak <= self.budget and (self.best is None or _key(plan) < _key(self.best)):
-            self.best = plan
+            self.best, self.polished = plan, polished
 
     def repair(self, plan: Plan) -> Plan:
         """An overflowing answer pushed under the budget, then polished back up."""
@@ -160,6 +162,7 @@ class _Search:
             solver = _solver(seconds, self.workers, self.seed, self.log, gap_limit)
         else:  # one worker at the LP's full strength: see ``_relaxation_solver``
             solver = _relaxation_solver(seconds, self.seed, self.log)
+            self._stop_when_close_enough(solver, relax.scale)
         status = solver.Solve(relax.model)
         answer = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -169,6 +172,22 @@ class _Search:
             if solver.BestObjectiveBound() < solver.ObjectiveValue():
                 status = cp_model.FEASIBLE  # stopped at the gap limit, not proven
         return status, answer, solver.ResponseProto().deterministic_time
+
+    def _stop_when_close_enough(self, solver: cp_model.CpSolver, scale: float) -> None:
+        """Stop the relaxation once its bound proves the incumbent within ``gap_limit``:
+        its own search would go on to its optimum, which the incumbent no longer needs
+        (on 10,000 nodes at 30% that took another 13 wall s past a 0.35% gap). With
+        one worker the callback runs in the search's thread, so where it stops is
+        deterministic; not so with interleaved workers, hence the relaxation only."""
+        if self.best is None or self.gap_limit <= 0:
+            return
+        enough = (1 - self.gap_limit) * self.best.recompute_cost * scale
+
+        def on_bound(bound: float) -> None:
+            if bound >= enough:
+                solver.stop_search()
+
+        solver.best_bound_callback = on_bound
 
     def bound_round(self, relax: Relaxation, seconds: float) -> float:
         """Solve the relaxation; while its answer overflows, make the overflowing backward
@@ -188,7 +207,7 @@ class _Search:
                     self.proven = True  # nothing is cheaper, and it fits
                     self.bound = max(self.bound, answer.recompute_cost)
                 return spent
-            self.offer(self.repair(answer))
+            self.offer(self.repair(answer), polished=True)
             if self.close_enough:
                 return spent
             _tighten(relax, answer)
@@ -213,7 +232,7 @@ class _Search:
                     self.bound = max(self.bound, answer.recompute_cost)
                 return
             _cut(relax, answer)
-            self.offer(self.repair(answer))
+            self.offer(self.repair(answer), polished=True)
 
 
 def _tighten(relax: Relaxation, plan: Plan) -> None:
