@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 from .budget import Budget, InfeasibleBudget, resolve_budget
 from .cpsat import cpsat
@@ -36,19 +38,38 @@ def solve(problem: Problem, budget: Budget, solver: str | Solver = "auto") -> Pl
     solver cannot break the promise silently.
     """
     fn = _lookup(solver)
-    limit = resolve_budget(budget, store_all(problem).peak)
-    plan = fn(problem, limit)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"solver {solver!r} returned {type(plan).__name__}, expected a Plan")
-    if plan.peak > limit:
-        minimum = min_peak_plan(problem).peak
-        if minimum > limit:
-            raise InfeasibleBudget(limit, minimum, store_all(problem).peak, problem.name)
-        raise ValueError(
-            f"solver {solver!r} returned a plan peaking at {plan.peak} bytes, over the budget "
-            f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
-        )
-    return plan
+    with _no_cycle_collection():
+        limit = resolve_budget(budget, store_all(problem).peak)
+        plan = fn(problem, limit)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"solver {solver!r} returned {type(plan).__name__}, expected a Plan")
+        if plan.peak > limit:
+            minimum = min_peak_plan(problem).peak
+            if minimum > limit:
+                raise InfeasibleBudget(limit, minimum, store_all(problem).peak, problem.name)
+            raise ValueError(
+                f"solver {solver!r} returned a plan peaking at {plan.peak} bytes, over the budget "
+                f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
+            )
+        return plan
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a solver runs, as ``timeit`` does.
+
+    Solvers simulate hundreds of plans, allocating millions of short-lived tuples that
+    form no cycles (reference counting frees them); each time they trigger a full
+    collection it rescans every tracked object of the process (350,000 once torch is
+    imported). At 10,000 nodes that was half the greedy's time (11.7 s -> 5.2 s without).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def min_peak_plan(problem: Problem) -> Plan:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from remat.solvers import (
@@ -248,6 +250,33 @@ def test_callable_gets_the_budget_in_bytes():
     solve(p, peak, solver=spy)
     assert seen == [peak, peak, peak]
     assert all(type(b) is int for b in seen)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_solve_pauses_cycle_collection_and_restores_it(enabled):
+    """The solver runs without the cyclic collector; afterwards (also after an error) the
+    collector is as the caller left it."""
+    p = chain(3)
+    during = []
+
+    def spy(problem, budget):
+        during.append(gc.isenabled())
+        return store_all(problem)
+
+    def broken(problem, budget):
+        raise RuntimeError("solver bug")
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        solve(p, 1.0, solver=spy)
+        assert during == [False]
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError, match="solver bug"):
+            solve(p, 1.0, solver=broken)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 def test_full_budget_is_store_all():
