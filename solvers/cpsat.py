@@ -294,7 +294,4 @@ def _relaxation_solver(seconds: float, seed: int, log: bool) -> cp_model.CpSolve
     # layers repeat: with symmetry in the LP the 6-layer gpt's relaxation at 80% was
     # proven optimal in 1.4 deterministic s, without it not in 3
     solver.parameters.use_symmetry_in_lp = True
-    # the hint is a complete plan, already its first solution: CP-SAT's search around
-    # it found next to nothing and on 10,000 nodes kept the root LP waiting 11 wall s
-    solver.parameters.hint_conflict_limit = 0
     return solver
