@@ -551,6 +551,16 @@ def fastest_within(rows: Sequence[Row], peak_bytes: int) -> Row | None:
     return min(ok, key=lambda r: r.step_s, default=None)
 
 
+def rounds_faster(a: Row, b: Row) -> tuple[int, int]:
+    """In how many timed rounds ``a``'s step was faster than ``b``'s, out of how many.
+
+    Each round runs every configuration once, so a round pairs two steps taken close in
+    time and drift of the machine between rounds cancels: a second reading where two
+    medians differ by less than their spread (8 of 15 is a tie, 15 of 15 is not)."""
+    pairs = list(zip(a.times, b.times, strict=True))
+    return sum(x < y for x, y in pairs), len(pairs)
+
+
 def frontier(rows: Sequence[Row]) -> list[Row]:
     """Measured rows no other row beats on both peak and time (ties kept)."""
     done = [r for r in rows if r.step_s is not None and r.peak_bytes is not None]

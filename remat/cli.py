@@ -956,8 +956,9 @@ def cmd_bench(args, progress: _Progress) -> int:
 
 
 def _nearest_text(rows, torch_row) -> str:
-    """A missed torch point, with how far remat's fastest point at no more memory is
-    (and the two rows' timing spread: a miss within it is a tie)."""
+    """A missed torch point, with how far remat's fastest point at no more memory is,
+    in how many rounds it was faster, and the two rows' timing spread: a miss within the
+    spread, faster in about half the rounds, is a tie."""
     from remat import bench
 
     best = bench.fastest_within(rows, torch_row.peak_bytes)
@@ -965,7 +966,11 @@ def _nearest_text(rows, torch_row) -> str:
         return f"{torch_row.label} (no remat point at or below its peak)"
     noise = max(r.spread or 0.0 for r in (best, torch_row))
     ratio = best.step_s / torch_row.step_s
-    return f"{torch_row.label} (nearest: {best.label} at {ratio:.3f}x its time, +-{noise:.1%})"
+    faster, rounds = bench.rounds_faster(best, torch_row)
+    paired = f", faster in {faster}/{rounds} rounds" if rounds else ""
+    return (
+        f"{torch_row.label} (nearest: {best.label} at {ratio:.3f}x its time{paired}, +-{noise:.1%})"
+    )
 
 
 def cmd_pareto(args, progress: _Progress) -> int:

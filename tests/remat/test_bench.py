@@ -177,6 +177,12 @@ def test_dominates_and_frontier():
         "torch min-cut @ 0.7 (nearest: remat auto @ 0.65 at 1.050x its time, +-4.0%)"
     )
     assert "no remat point" in cli._nearest_text([t4], t4)
+    t4.times, r4.times = [1.0, 1.2, 0.9, 1.0], [1.0, 1.1, 1.0, 0.95]  # rounds, in order
+    assert bench.rounds_faster(r4, t4) == (2, 4) and bench.rounds_faster(t4, r4) == (1, 4)
+    assert cli._nearest_text([t4, r4], t4) == (
+        "torch min-cut @ 0.7 (nearest: remat auto @ 0.65 at 1.050x its time, "
+        "faster in 2/4 rounds, +-4.0%)"
+    )
     assert bench.frontier([t1, t2, r1, r2]) == [t1, t2, r2]
     # Wrong gradients: such a torch point needs no dominating, such a remat point cannot.
     t3 = row("torch", 10, 1.0, 0.1)
