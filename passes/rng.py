@@ -102,8 +102,9 @@ def _(state, x, p, restore):
 
 @torch.library.custom_op("remat::apply_dropout_mask", mutates_args=())
 def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``native_dropout``'s output from its mask: ``x * mask``, then ``* scale``."""
-    return x.mul(mask.to(x.dtype)).mul_(scale)
+    """``native_dropout``'s output from its mask: ``x * mask``, then ``* scale``. The bool
+    mask is promoted inside the multiply (no float copy of it): the same bits."""
+    return x.mul(mask).mul_(scale)
 
 
 @apply_dropout_mask.register_fake
