@@ -32,6 +32,7 @@ CPU caveats (checked on torch 2.13, pinned by tests/remat/test_memory.py):
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +43,11 @@ import torch
 from torch import nn
 
 __all__ = ["Measurement", "peak", "step_time"]
+
+# Kineto (the profiler's backend) prints two "USDT: ... profiler_start/stop" trace markers
+# to stderr per profiling window, at its highest log level (5), unless KINETO_LOG_LEVEL is
+# above it when the profiler first starts in the process: a bench printed dozens.
+_QUIET_KINETO = "6"
 
 # Size of a probe allocation made inside every CPU profiling window. Finding its alloc/free
 # pair proves memory profiling works, so "no events" can never read as "peak 0". A prime
@@ -130,6 +136,7 @@ def _peak_cuda(fn, args, kwargs, dev: torch.device) -> Measurement:
 def _peak_cpu(fn, args, kwargs) -> Measurement:
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", _QUIET_KINETO)  # a user's own setting wins
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         probe = torch.empty(_PROBE_BYTES, dtype=torch.uint8)
         del probe

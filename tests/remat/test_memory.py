@@ -7,6 +7,10 @@ during a CPU backward and by a torch.compile'd program; replayed in time order t
 hand-computed peaks exactly, up to a few bytes of scalar temporaries.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -249,3 +253,12 @@ def test_cuda_peak():
     m = peak(fn)
     assert m.device.startswith("cuda")
     assert m.peak_bytes == approx(2 * FOUR, rel=0.05)  # base was there before
+
+
+def test_cpu_measurement_prints_nothing():
+    """Kineto would print two "USDT: ... profiler_start/stop" lines per measurement."""
+    code = "import torch; from remat.memory import peak; x = torch.ones(64); peak(lambda: x * 2)"
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "profiler_start" not in run.stderr and run.stdout == ""
