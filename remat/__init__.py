@@ -5,13 +5,22 @@
 """
 
 from remat import memory
-from remat.api import PlanReport, RematBackend, backend, optimize, partitioner, plan
+from remat.api import (
+    PlanReport,
+    RecompileLimitHit,
+    RematBackend,
+    backend,
+    optimize,
+    partitioner,
+    plan,
+)
 from remat.solvers import InfeasibleBudget, Plan
 
 __all__ = [
     "InfeasibleBudget",
     "Plan",
     "PlanReport",
+    "RecompileLimitHit",
     "RematBackend",
     "backend",
     "memory",

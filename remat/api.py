@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 from torch import nn
-from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 from remat.passes._torch_compat import boxed
 from remat.planner import GraphPlan, Planner
@@ -151,6 +151,21 @@ def optimize(
     return optimized
 
 
+class RecompileLimitHit(RuntimeError):
+    """dynamo's recompile limit stopped remat from planning a step, which would otherwise
+    have run eagerly, outside the budget."""
+
+    def __init__(self, model_name: str, limit: int) -> None:
+        super().__init__(
+            f"torch.compile hit dynamo's recompile limit ({limit}) on {model_name}.forward, "
+            "so this step would run eagerly, outside remat's budget. Every remat.optimize "
+            f"of a {model_name} in one process, and every new input shape, compiles that "
+            "forward once more. Raise torch._dynamo.config.recompile_limit, call "
+            "torch._dynamo.reset() before optimizing another model (earlier ones then plan "
+            "again at their next call), or keep input shapes fixed."
+        )
+
+
 def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
     """A shallow copy of ``model`` whose ``forward`` is compiled with ``rb``.
 
@@ -161,16 +176,23 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
     """
     optimized = copy.copy(model)
     compiled = torch.compile(optimized.forward, backend=rb, dynamic=False)
+    dynamo = torch._dynamo.config
 
     @functools.wraps(model.forward)
     def forward(*args, **kwargs):
         try:
-            return compiled(*args, **kwargs)
+            # Past its recompile limit dynamo would run the step eagerly, outside the
+            # budget, with only a log warning: fail instead (unless errors are suppressed,
+            # which dynamo does not allow together with this).
+            with dynamo.patch(fail_on_recompile_limit_hit=not dynamo.suppress_errors):
+                return compiled(*args, **kwargs)
         except BackendCompilerFailed as failure:
             # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
             if isinstance(failure.inner_exception, (InfeasibleBudget, ValueError)):
                 raise failure.inner_exception from None
             raise
+        except FailOnRecompileLimitHit as hit:
+            raise RecompileLimitHit(type(model).__name__, dynamo.recompile_limit) from hit
 
     optimized.forward = forward
     return optimized

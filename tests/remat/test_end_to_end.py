@@ -139,6 +139,20 @@ def test_measured_peak_keeps_the_budget_and_matches_prediction(name):
     assert measured == sorted(measured, reverse=True), measured
 
 
+def test_recompile_limit_is_an_error_not_an_eager_step():
+    """Past dynamo's recompile limit a step would run eagerly, outside the budget."""
+    models = [build("mlp", layers=2, width=16, batch=8) for _ in range(2)]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        first = remat.optimize(models[0][0], budget=1.0)
+        first(*models[0][1]).backward()
+        second = remat.optimize(models[1][0], budget=1.0)
+        with pytest.raises(remat.RecompileLimitHit, match="recompile_limit"):
+            second(*models[1][1])
+    assert len(second.remat.graphs) == 0
+    torch._dynamo.reset()
+
+
 def test_budget_below_minimum_names_it():
     model, inputs = build("mlp")
     optimized = remat.optimize(model, budget=1024)
