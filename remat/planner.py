@@ -45,16 +45,23 @@ COST_MODELS = ("roofline", "profile")
 
 @dataclass
 class CostModel:
-    """Node facts for ``passes.extract``: bytes and aliasing from fake tensors, time by
+    """Node facts for ``passes.extract``: bytes and aliasing from fake tensors (bytes
+    raised to a kernel's measured output storage), scratch measured per kernel, time by
     roofline estimate or, with ``measured``, by timing each op on the device."""
 
     spec: costs.DeviceSpec
     device: torch.device
     measured: dict[str, float] = field(default_factory=dict)
-    _workspaces: dict = field(default_factory=dict)
+    _kernels: dict = field(default_factory=dict)  # costs.kernel_memory's cache
 
     def allocated_bytes(self, node: fx.Node) -> int:
-        return costs.allocated_bytes(node)
+        """The fake tensors' sizes, or the measured storage where a single output's is
+        larger (``costs.KernelMemory``); never less, so the budget stays safe."""
+        nominal = costs.allocated_bytes(node)
+        if nominal == 0 or isinstance(node.meta.get("val"), (list, tuple)):
+            return nominal  # aliases, views, multi-output ops (their parts own the bytes)
+        measured = costs.kernel_memory(node, self.device, self._kernels)
+        return nominal if measured is None else max(nominal, measured.storage)
 
     def aliased_input(self, node: fx.Node) -> fx.Node | None:
         return costs.aliased_input(node)
@@ -65,7 +72,8 @@ class CostModel:
         return costs.estimate_seconds(node, self.spec)
 
     def workspace(self, node: fx.Node) -> int:
-        return costs.workspace_bytes(node, self.device, self._workspaces)
+        measured = costs.kernel_memory(node, self.device, self._kernels)
+        return 0 if measured is None else measured.scratch
 
     def recomputable(self, node: fx.Node) -> bool:
         return not (costs.is_random(node) or costs.has_side_effects(node))
