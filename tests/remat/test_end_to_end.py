@@ -133,8 +133,9 @@ def test_measured_peak_keeps_the_budget_and_matches_prediction(name):
         report = optimized.remat.report()
         budget = report.graphs[0].budget
         predicted = report.predicted_peak
-        assert peak <= 1.10 * budget, (fraction, peak, budget)
-        assert abs(predicted - peak) <= 0.10 * peak, (fraction, predicted, peak)
+        assert peak <= budget, (fraction, peak, budget)
+        # the rewritten programs run the simulated schedule; CPU allocations are exact
+        assert predicted == peak, (fraction, predicted, peak)
         measured.append(peak)
     assert measured == sorted(measured, reverse=True), measured
 
