@@ -326,8 +326,8 @@ def test_cpsat_below_greedys_minimum_fits_or_refuses(data, problem):
     try:
         plan = cpsat(problem, budget, time_limit=time_limit_for(problem))
     except InfeasibleBudget as e:
-        event("refused")
-        assert e.minimum > budget
+        event("refused" if e.minimum == minimum else "refused, naming a lower minimum")
+        assert budget < e.minimum <= minimum
         assert e.budget == budget
     else:
         event("fits below greedy's minimum")
@@ -461,8 +461,10 @@ def test_budget_below_every_plan_is_refused(data, problem):
     budget = data.draw(st.integers(0, lowest - 1), label="budget")
     with pytest.raises(InfeasibleBudget) as info:
         cpsat(problem, budget, time_limit=2.0)
-    assert info.value.minimum > budget
+    assert lowest <= info.value.minimum <= minimum_peak(problem)
     assert info.value.budget == budget
+    # the minimum it names is a budget it fits (it found a plan there while refusing)
+    assert cpsat(problem, info.value.minimum, time_limit=2.0).peak <= info.value.minimum
 
 
 # ----------------------------------------------------------------------------- the API
@@ -536,3 +538,19 @@ def test_refusal_says_when_it_is_proven():
         cpsat(problem, 1024)
     assert refusal.value.proven and "proven by CP-SAT" in str(refusal.value)
     assert refusal.value.minimum == greedy(problem).peak
+
+
+def test_refusal_names_a_budget_below_the_greedys_minimum():
+    """The greedy's minimum only bounds the true one from above: a refusal spends one
+    solve halfway down from it and names the lowest budget a plan was found under."""
+    problem = random_joint(30, 3)
+    greedy_minimum = greedy(problem).peak
+    lowest = cpsat(problem, greedy_minimum - 1).peak  # CP-SAT undercuts the greedy here
+    budget = 2 * lowest - greedy_minimum  # so that the bisection's middle is ``lowest``
+    with pytest.raises(InfeasibleBudget) as refusal:
+        cpsat(problem, budget)
+    assert refusal.value.minimum == lowest < greedy_minimum
+    assert str(lowest) in str(refusal.value)
+    with pytest.raises(InfeasibleBudget) as refusal:
+        cpsat(problem, budget, probes=0)
+    assert refusal.value.minimum == greedy_minimum
