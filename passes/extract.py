@@ -117,15 +117,23 @@ def extract(
 
     outputs = tuple(index[o] for o in fwd_outs if isinstance(o, fx.Node) and o in index)
     grads = tuple(index[g] for g in bwd_outs if isinstance(g, fx.Node) and g in index)
-    # Autograd allocates the tangents before the backward and holds them until it returns:
-    # to the simulator they are values the backward keeps to its end, like its gradients.
-    tangents = tuple(index[n] for n in kept if is_tangent(n) and n.users)
-    grads += tuple(t for t in tangents if t not in grads)
+    # Autograd allocates the tangents before the backward. The root's (the ones of a scalar
+    # loss) it holds until the backward returns: to the simulator a value kept to the end,
+    # like a gradient. Larger ones (zeros for an output that gets no gradient, e.g. logits
+    # returned beside the loss) reach the program only, which frees them after their last
+    # use: measured, holding one to the end over-predicted the peak by its size.
+    held = (index[n] for n in kept if is_tangent(n) and n.users and _numel(n) == 1)
+    grads += tuple(t for t in held if t not in grads)
     resident = sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
     problem = Problem(
         tuple(nodes), outputs=outputs, grads=grads, resident_bytes=resident, name=name
     )
     return Extracted(problem, tuple(kept))
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else None
 
 
 def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:

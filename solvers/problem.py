@@ -51,8 +51,8 @@ class Problem:
 
     ``outputs`` are forward values returned to the caller (held, conservatively,
     until the step ends); ``grads`` are backward values held until the backward ends:
-    the gradients it returns (and, from ``passes.extract``, the tangents autograd holds
-    while it runs).
+    the gradients it returns (and, from ``passes.extract``, the scalar tangent autograd
+    holds while it runs).
     ``resident_bytes`` is what was allocated before the step (reported, never
     part of a peak).
     """
