@@ -14,7 +14,7 @@ from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 from remat.passes._torch_compat import boxed
 from remat.planner import GraphPlan, Planner
-from remat.solvers import InfeasibleBudget, format_bytes, saved_bytes
+from remat.solvers import InfeasibleBudget, format_bytes, held_bytes
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
 
@@ -224,6 +224,15 @@ def plan(
     return rb.report()
 
 
+def _peak_over_graphs(graphs, plan_of) -> int:
+    held, peak = 0, 0
+    for g in graphs:
+        plan = plan_of(g)
+        peak = max(peak, held + plan.peak)
+        held += held_bytes(g.extracted.problem, plan)
+    return peak
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """Plans of every graph of a model, printable as a table."""
@@ -232,20 +241,13 @@ class PlanReport:
 
     @property
     def predicted_peak(self) -> int:
-        """Largest predicted peak of one graph plus what earlier graphs keep saved."""
-        held, peak = 0, 0
-        for g in self.graphs:
-            peak = max(peak, held + g.plan.peak)
-            held += g.saved_bytes
-        return peak
+        """Largest predicted peak of one graph plus what earlier graphs keep saved or
+        returned (``held_bytes``)."""
+        return _peak_over_graphs(self.graphs, lambda g: g.plan)
 
     @property
     def store_all_peak(self) -> int:
-        held, peak = 0, 0
-        for g in self.graphs:
-            peak = max(peak, held + g.store_all.peak)
-            held += saved_bytes(g.extracted.problem, g.store_all)
-        return peak
+        return _peak_over_graphs(self.graphs, lambda g: g.store_all)
 
     def rows(self) -> list[dict]:
         out = []

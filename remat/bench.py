@@ -473,7 +473,7 @@ def _remat_columns(row: Row, report) -> None:
     held, limit = 0, 0
     for g in graphs:
         limit = max(limit, held + g.budget)
-        held += g.saved_bytes
+        held += g.held_bytes
     row.budget_bytes = limit
     row.plan_s = sum(g.plan_seconds for g in graphs)
     gaps = [g.plan.gap for g in graphs]

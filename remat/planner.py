@@ -29,6 +29,7 @@ from remat.passes.rng import replay_dropouts
 from remat.solvers import (
     Plan,
     format_bytes,
+    held_bytes,
     parse_budget,
     resolve_budget,
     saved_bytes,
@@ -94,6 +95,11 @@ class GraphPlan:
     def saved_bytes(self) -> int:
         return saved_bytes(self.extracted.problem, self.plan)
 
+    @property
+    def held_bytes(self) -> int:
+        """What stays allocated while later graphs of the step run (``solvers.held_bytes``)."""
+        return held_bytes(self.extracted.problem, self.plan)
+
 
 class Planner:
     """``partition_fn`` for AOTAutograd (and inductor's custom partitioner)."""
@@ -148,12 +154,12 @@ class Planner:
         value = parse_budget(self.budget)
         if isinstance(value, float):
             return resolve_budget(value, store_all_peak)
-        held = sum(g.saved_bytes for g in self.graphs)
+        held = sum(g.held_bytes for g in self.graphs)
         if held >= value:
             raise ValueError(
                 f"budget {format_bytes(value)} is used up before {name}: earlier graphs of the "
-                f"step (graph breaks) save {format_bytes(held)}. Raise the budget or remove "
-                "the graph breaks (torch._dynamo.explain shows them)."
+                f"step (graph breaks) save or return {format_bytes(held)}. Raise the budget or "
+                "remove the graph breaks (torch._dynamo.explain shows them)."
             )
         return value - held
 

@@ -86,6 +86,14 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def held_bytes(problem: Problem, plan: Plan) -> int:
+    """Bytes a graph leaves allocated while later graphs of the step run (graph breaks):
+    the storages it saves and those of its outputs (the caller holds them, conservatively,
+    until the step ends), each storage once."""
+    roots = {problem.storage[i] for i in (*plan.saved, *problem.outputs)}
+    return sum(problem.nodes[r].bytes for r in roots)
+
+
 def saved_bytes(problem: Problem, plan: Plan) -> int:
     """Bytes the forward hands to the backward: storages of the saved values."""
     roots = {problem.storage[i] for i in plan.saved}

@@ -267,9 +267,16 @@ def test_graph_breaks_get_one_plan_each_and_share_an_absolute_budget():
     reference(x).backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
-    graphs = optimized.remat.report().graphs
+    report = optimized.remat.report()
+    graphs = report.graphs
     assert len(graphs) == 2
-    assert graphs[1].budget == budget - graphs[0].saved_bytes
+    # graph0's saved values and its output (graph1's input, held by the caller) stay
+    # allocated while graph1 runs
+    assert graphs[0].held_bytes > graphs[0].saved_bytes
+    assert graphs[1].budget == budget - graphs[0].held_bytes
+    model.zero_grad(set_to_none=True)
+    peak = memory.peak(lambda: optimized(x).backward()).peak_bytes
+    assert peak == report.predicted_peak <= budget
 
 
 def test_dynamo_backend_by_name():
