@@ -27,6 +27,7 @@ from remat.passes.extract import Extracted, extract
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.solvers import (
+    InfeasibleBudget,
     Plan,
     format_bytes,
     held_bytes,
@@ -136,7 +137,10 @@ class Planner:
         problem = extracted.problem
         baseline = store_all(problem)
         limit = self._graph_budget(baseline.peak, name)
-        plan = solve(problem, limit, self.solver)
+        try:
+            plan = solve(problem, limit, self.solver)
+        except InfeasibleBudget as e:
+            raise self._in_step_terms(e, limit) from None
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
         record = GraphPlan(name, extracted, plan, baseline, limit, time.perf_counter() - start)
         self.graphs.append(record)
@@ -162,6 +166,18 @@ class Planner:
                 "remove the graph breaks (torch._dynamo.explain shows them)."
             )
         return value - held
+
+    def _in_step_terms(self, refusal: InfeasibleBudget, limit: int) -> InfeasibleBudget:
+        """An absolute budget's refusal for a later graph, in the step's bytes: its share
+        plus what the earlier graphs hold (``_graph_budget`` took that off)."""
+        held = sum(g.held_bytes for g in self.graphs)
+        if not held or isinstance(parse_budget(self.budget), float):
+            return refusal
+        r = refusal
+        return InfeasibleBudget(
+            limit + held, r.minimum + held, r.store_all + held, f"graph{len(self.graphs)}",
+            r.proven, held,
+        )  # fmt: skip
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
         device = _device_of(joint)

@@ -71,21 +71,37 @@ class InfeasibleBudget(ValueError):
     """The budget is below the smallest peak remat can reach; ``minimum`` names it.
 
     ``proven``: a solver proved that no plan at all fits the budget (not only that it
-    found none).
+    found none). ``held``: bytes earlier graphs of the step (graph breaks) hold while this
+    one runs, included in ``budget``, ``minimum`` and ``store_all``.
     """
 
     def __init__(
-        self, budget: int, minimum: int, store_all: int, graph: str = "", proven: bool = False
+        self,
+        budget: int,
+        minimum: int,
+        store_all: int,
+        graph: str = "",
+        proven: bool = False,
+        held: int = 0,
     ) -> None:
         self.budget, self.minimum, self.store_all = budget, minimum, store_all
-        self.proven = proven
+        self.proven, self.held = proven, held
         where = f" for graph {graph}" if graph else ""
         proof = " No plan fits this budget (proven by CP-SAT)." if proven else ""
+        earlier = (
+            f" That counts {format_bytes(held)} that earlier graphs of the step (graph breaks) "
+            "hold while it runs, saved for their backward or returned: remat plans each graph "
+            "as dynamo compiles it, so they leave no room for later ones and may take more "
+            "of a larger budget. Removing the graph break (torch._dynamo.explain shows it) "
+            "lets remat plan the step as one."
+            if held
+            else ""
+        )
         super().__init__(
             f"budget {format_bytes(budget)} is below the smallest peak remat can reach{where}: "
             f"{format_bytes(minimum)} ({minimum} bytes, {minimum / max(store_all, 1):.1%} of the "
             f"store-all peak {format_bytes(store_all)}).{proof} Raise the budget to at least "
-            f"{minimum} bytes."
+            f"{minimum} bytes.{earlier}"
         )
 
 

@@ -246,18 +246,22 @@ def test_plan_does_not_train_or_touch_buffers():
     assert "predicted peak" in text and "graph0" in text
 
 
+class _Broken(torch.nn.Module):
+    """Two layers with a graph break between them: two graphs, two plans."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+        self.b = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x).square().mean()
+
+
 def test_graph_breaks_get_one_plan_each_and_share_an_absolute_budget():
-    class Broken(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
-            self.b = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
-
-        def forward(self, x):
-            x = self.a(x)
-            torch._dynamo.graph_break()
-            return self.b(x).square().mean()
-
+    Broken = _Broken
     torch.manual_seed(0)
     model, x = Broken(), torch.randn(256, 64)
     reference = copy.deepcopy(model)
@@ -277,6 +281,22 @@ def test_graph_breaks_get_one_plan_each_and_share_an_absolute_budget():
     model.zero_grad(set_to_none=True)
     peak = memory.peak(lambda: optimized(x).backward()).peak_bytes
     assert peak == report.predicted_peak <= budget
+
+
+def test_a_later_graph_refused_under_an_absolute_budget_counts_what_earlier_ones_hold():
+    """graph0 fits 300,000 bytes but then holds 128 KiB (its output, graph1's input), and
+    graph1 needs more than the rest: the refusal is in the step's bytes and says why."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Broken(), torch.randn(256, 64)
+    optimized = remat.optimize(model, budget=300_000)
+    with pytest.raises(remat.InfeasibleBudget) as refusal:
+        optimized(x)
+    (graph0,) = optimized.remat.graphs
+    e = refusal.value
+    assert e.held == graph0.held_bytes > 0
+    assert e.budget == 300_000 < e.minimum
+    assert "graph graph1" in str(e) and "earlier graphs of the step" in str(e)
 
 
 def test_dynamo_backend_by_name():
