@@ -225,6 +225,7 @@ def plan(
 
 
 def _peak_over_graphs(graphs, plan_of) -> int:
+    """Each graph's peak plus what the graphs before it hold (saved and returned)."""
     held, peak = 0, 0
     for g in graphs:
         plan = plan_of(g)

@@ -883,7 +883,7 @@ def profile_seconds(
 
 
 # --------------------------------------------------------------------------------------
-# Workspace
+# Kernel memory (measured)
 # --------------------------------------------------------------------------------------
 
 
@@ -904,7 +904,8 @@ class KernelMemory:
 def kernel_memory(
     node: fx.Node, device: str | torch.device, cache: dict[Any, KernelMemory | None] | None = None
 ) -> KernelMemory | None:
-    """Run ``node``'s op once on synthetic inputs under ``remat.memory.peak``.
+    """Run ``node``'s op on synthetic inputs, once to warm up and once under
+    ``remat.memory.peak``: what its outputs hold and what else it allocated.
 
     Every kernel is measured, because which ones allocate more than their outputs is not
     predictable: on CPU convolutions unfold their input, flash attention's backward and
