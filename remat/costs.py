@@ -940,8 +940,8 @@ def kernel_memory(
             # that is resident during a training step, not this op's scratch.
             node.target(*args, **kwargs)
             run = peak(lambda: node.target(*args, **kwargs), device=dev)
-        fresh = {storage_of(t): t for t in _tensors(run.result) if storage_of(t) not in inputs}
-        storage = sum(t.untyped_storage().nbytes() for t in fresh.values())
+        outputs = {storage_of(t): t for t in _tensors(run.result)}
+        storage = sum(t.untyped_storage().nbytes() for s, t in outputs.items() if s not in inputs)
         result = KernelMemory(storage=storage, scratch=max(0, run.peak_bytes - storage))
     except Exception as e:  # any failure on synthetic data: nothing known
         log.warning(

@@ -140,7 +140,7 @@ class Planner:
         try:
             plan = solve(problem, limit, self.solver)
         except InfeasibleBudget as e:
-            raise self._in_step_terms(e, limit) from None
+            raise self._in_step_terms(e, name) from None
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
         record = GraphPlan(name, extracted, plan, baseline, limit, time.perf_counter() - start)
         self.graphs.append(record)
@@ -158,7 +158,7 @@ class Planner:
         value = parse_budget(self.budget)
         if isinstance(value, float):
             return resolve_budget(value, store_all_peak)
-        held = sum(g.held_bytes for g in self.graphs)
+        held = self._held_by_earlier_graphs()
         if held >= value:
             raise ValueError(
                 f"budget {format_bytes(value)} is used up before {name}: earlier graphs of the "
@@ -167,17 +167,20 @@ class Planner:
             )
         return value - held
 
-    def _in_step_terms(self, refusal: InfeasibleBudget, limit: int) -> InfeasibleBudget:
-        """An absolute budget's refusal for a later graph, in the step's bytes: its share
-        plus what the earlier graphs hold (``_graph_budget`` took that off)."""
-        held = sum(g.held_bytes for g in self.graphs)
-        if not held or isinstance(parse_budget(self.budget), float):
+    def _held_by_earlier_graphs(self) -> int:
+        """Bytes the graphs planned so far hold while the next one runs."""
+        return sum(g.held_bytes for g in self.graphs)
+
+    def _in_step_terms(self, refusal: InfeasibleBudget, name: str) -> InfeasibleBudget:
+        """An absolute budget's refusal for a later graph, in the step's bytes: the
+        budget, and the graph's minimum plus what earlier graphs hold (``_graph_budget``
+        took that off)."""
+        value = parse_budget(self.budget)
+        held = self._held_by_earlier_graphs()
+        if isinstance(value, float) or not held:
             return refusal
         r = refusal
-        return InfeasibleBudget(
-            limit + held, r.minimum + held, r.store_all + held, f"graph{len(self.graphs)}",
-            r.proven, held,
-        )  # fmt: skip
+        return InfeasibleBudget(value, r.minimum + held, r.store_all + held, name, r.proven, held)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
         device = _device_of(joint)

@@ -90,11 +90,15 @@ def held_bytes(problem: Problem, plan: Plan) -> int:
     """Bytes a graph leaves allocated while later graphs of the step run (graph breaks):
     the storages it saves and those of its outputs (the caller holds them, conservatively,
     until the step ends), each storage once."""
-    roots = {problem.storage[i] for i in (*plan.saved, *problem.outputs)}
-    return sum(problem.nodes[r].bytes for r in roots)
+    return _storage_bytes(problem, (*plan.saved, *problem.outputs))
 
 
 def saved_bytes(problem: Problem, plan: Plan) -> int:
     """Bytes the forward hands to the backward: storages of the saved values."""
-    roots = {problem.storage[i] for i in plan.saved}
+    return _storage_bytes(problem, plan.saved)
+
+
+def _storage_bytes(problem: Problem, values) -> int:
+    """Bytes of the storages ``values`` live in, each storage once."""
+    roots = {problem.storage[i] for i in values}
     return sum(problem.nodes[r].bytes for r in roots)

@@ -261,9 +261,8 @@ class _Broken(torch.nn.Module):
 
 
 def test_graph_breaks_get_one_plan_each_and_share_an_absolute_budget():
-    Broken = _Broken
     torch.manual_seed(0)
-    model, x = Broken(), torch.randn(256, 64)
+    model, x = _Broken(), torch.randn(256, 64)
     reference = copy.deepcopy(model)
     budget = 4 * 2**20
     optimized = remat.optimize(model, budget=budget)
