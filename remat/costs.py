@@ -914,7 +914,8 @@ def kernel_memory(
     attention backward, and one model's measured peak came out 24% over its prediction).
     None for views, collectives and what is not a kernel, and for an op that cannot run
     on synthetic inputs (with a warning). ``cache`` shares results between nodes with the
-    same op, shapes, strides and dtypes.
+    same op, shapes, strides and dtypes. Scratch is 0 where it cannot be measured now
+    (``scratch_measurable``: on CPU inside a user's profiler session).
     """
     if (
         node.op != "call_function"
@@ -930,6 +931,9 @@ def kernel_memory(
         return cache[key]
     from remat.memory import peak
 
+    # On CPU the peak is measured with a profiler, which cannot run inside a user's: then
+    # only the outputs' storage is known (``scratch_measurable``).
+    scratch_known = scratch_measurable(dev)
     try:
         args, kwargs = _real_args(node, lambda _: dev)
         inputs = {storage_of(t) for t in tree_flatten((args, kwargs))[0]}
@@ -938,11 +942,14 @@ def kernel_memory(
         with torch.no_grad(), torch.random.fork_rng(devices=fork):
             # A first call may allocate what later ones reuse (cuBLAS's workspace, caches):
             # that is resident during a training step, not this op's scratch.
-            node.target(*args, **kwargs)
-            run = peak(lambda: node.target(*args, **kwargs), device=dev)
-        outputs = {storage_of(t): t for t in _tensors(run.result)}
+            out = node.target(*args, **kwargs)
+            if scratch_known:
+                run = peak(lambda: node.target(*args, **kwargs), device=dev)
+                out = run.result
+        outputs = {storage_of(t): t for t in _tensors(out)}
         storage = sum(t.untyped_storage().nbytes() for s, t in outputs.items() if s not in inputs)
-        result = KernelMemory(storage=storage, scratch=max(0, run.peak_bytes - storage))
+        scratch = max(0, run.peak_bytes - storage) if scratch_known else 0
+        result = KernelMemory(storage=storage, scratch=scratch)
     except Exception as e:  # any failure on synthetic data: nothing known
         log.warning(
             "kernel_memory: %s (%s) not measured: %s: %s",
@@ -955,6 +962,14 @@ def kernel_memory(
     if cache is not None:
         cache[key] = result
     return result
+
+
+def scratch_measurable(device: str | torch.device) -> bool:
+    """Whether ``kernel_memory`` can measure scratch on ``device`` now: not on CPU while a
+    profiler runs (``remat.memory.profiler_active``)."""
+    from remat.memory import profiler_active
+
+    return torch.device(device).type != "cpu" or not profiler_active()
 
 
 def _signature(tree: Any) -> tuple:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Measurement", "peak", "step_time"]
+__all__ = ["Measurement", "peak", "profiler_active", "step_time"]
 
 # Kineto (the profiler's backend) prints two "USDT: ... profiler_start/stop" trace markers
 # to stderr per profiling window, at its highest log level (5), unless KINETO_LOG_LEVEL is
@@ -83,6 +83,15 @@ def peak(fn: Callable, *args, device: str | torch.device | None = None, **kwargs
     if dev.type == "cpu":
         return _peak_cpu(fn, args, kwargs)
     raise ValueError(f"peak() measures 'cpu' or 'cuda' devices, not {str(dev)!r}")
+
+
+def profiler_active() -> bool:
+    """Whether a ``torch.profiler`` (or autograd profiler) session is running on this thread.
+
+    CPU peaks are measured with a profiler session of their own, and sessions do not nest:
+    starting one inside a user's and stopping it ends the user's too, whose trace then comes
+    back empty."""
+    return torch._C._autograd._profiler_enabled()
 
 
 def step_time(
@@ -136,6 +145,12 @@ def _peak_cuda(fn, args, kwargs, dev: torch.device) -> Measurement:
 def _peak_cpu(fn, args, kwargs) -> Measurement:
     from torch.profiler import ProfilerActivity, profile
 
+    if profiler_active():
+        raise RuntimeError(
+            "CPU peak memory is measured with a torch.profiler session of its own, and a "
+            "profiler is already running: a second session would end that one (its trace "
+            "would come back empty). Measure outside the profiler."
+        )
     os.environ.setdefault("KINETO_LOG_LEVEL", _QUIET_KINETO)  # a user's own setting wins
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         probe = torch.empty(_PROBE_BYTES, dtype=torch.uint8)

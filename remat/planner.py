@@ -133,6 +133,14 @@ class Planner:
         )
         with real_tensors():  # the cost model may run ops on the device
             facts = self._cost_model(joint)
+            if not costs.scratch_measurable(facts.device):
+                log.warning(
+                    "remat %s: planned inside a torch.profiler session, so kernels' scratch "
+                    "memory was not measured (profiler sessions do not nest) and the measured "
+                    "peak may exceed the predicted one. Run a step before profiling: remat "
+                    "plans at the first.",
+                    name,
+                )
             extracted = extract(joint, num_fwd_outputs, facts, name=name)
         problem = extracted.problem
         baseline = store_all(problem)

@@ -782,6 +782,23 @@ def test_output_storage_can_exceed_the_output():
     assert kernel_memory(relu, "cpu") == costs.KernelMemory(storage=output_bytes(relu), scratch=0)
 
 
+def test_kernel_memory_inside_a_users_profiler_measures_storage_only():
+    """Inside a user's profiler session scratch cannot be measured on CPU (sessions do not
+    nest): the storage still is, scratch is 0, and the user's trace keeps recording."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(8, 64)
+    gm = _fake_graph(lambda g, a, b: g.call_function(aten.mse_loss.default, (a, b)), x, x)
+    (mse,) = _calls(gm)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert not costs.scratch_measurable("cpu")
+        measured = kernel_memory(mse, "cpu")
+        torch.ones(8).sum()
+    assert measured == costs.KernelMemory(storage=x.numel() * x.element_size(), scratch=0)
+    assert any(e.key == "aten::sum" for e in prof.key_averages())
+    assert costs.scratch_measurable("cpu") and costs.scratch_measurable("cuda")
+
+
 def test_kernel_memory_of_an_op_that_cannot_run_is_unknown_and_reported(caplog, monkeypatch):
     gm = _fake_graph(
         lambda g, x: g.call_function(torch.ops.remat_costs_test.boom.default, (x,)),

@@ -160,6 +160,20 @@ def test_missing_memory_events_is_an_error_not_zero(monkeypatch):
         peak(torch.ones, N)
 
 
+def test_peak_refuses_to_nest_inside_a_running_profiler():
+    """A second profiler session would end the user's (its trace came back empty): refuse,
+    and leave the user's session recording."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert memory.profiler_active()
+        with pytest.raises(RuntimeError, match="profiler is already running"):
+            peak(lambda: torch.ones(1000))
+        torch.ones(1000).sum()
+    assert not memory.profiler_active()
+    assert any(e.key == "aten::sum" for e in prof.key_averages())
+
+
 def test_exception_propagates_and_profiler_stops():
     def boom():
         torch.ones(N)
