@@ -13,8 +13,8 @@ from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 from remat.passes._torch_compat import boxed
-from remat.planner import GraphPlan, Planner
-from remat.solvers import InfeasibleBudget, format_bytes, held_bytes
+from remat.planner import GraphPlan, Planner, step_peak
+from remat.solvers import InfeasibleBudget, format_bytes
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
 
@@ -60,7 +60,9 @@ class RematBackend:
                 ),
                 functorch_config.patch(enable_autograd_cache=False),
             ):
+                self.planner.next_leaves = _leaves_needing_grad(example_inputs)
                 return compile_fx(gm, example_inputs)
+        self.planner.next_leaves = _leaves_needing_grad(example_inputs)
         from torch._dynamo.backends.common import aot_autograd
 
         def compile_program(program: torch.fx.GraphModule, _inputs):
@@ -72,6 +74,16 @@ class RematBackend:
 
     def report(self) -> PlanReport:
         return PlanReport(tuple(self.planner.graphs))
+
+
+def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
+    """(identity, bytes) of the inputs autograd accumulates a gradient into (parameters):
+    ``GraphPlan.leaves``."""
+    return frozenset(
+        (id(t), t.numel() * t.element_size())
+        for t in inputs
+        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+    )
 
 
 def _inductor_partitioner_base():
@@ -224,16 +236,6 @@ def plan(
     return rb.report()
 
 
-def _peak_over_graphs(graphs, plan_of) -> int:
-    """Each graph's peak plus what the graphs before it hold (saved and returned)."""
-    held, peak = 0, 0
-    for g in graphs:
-        plan = plan_of(g)
-        peak = max(peak, held + plan.peak)
-        held += held_bytes(g.extracted.problem, plan)
-    return peak
-
-
 @dataclass(frozen=True)
 class PlanReport:
     """Plans of every graph of a model, printable as a table."""
@@ -242,13 +244,19 @@ class PlanReport:
 
     @property
     def predicted_peak(self) -> int:
-        """Largest predicted peak of one graph plus what earlier graphs keep saved or
-        returned (``held_bytes``)."""
-        return _peak_over_graphs(self.graphs, lambda g: g.plan)
+        """The step's predicted peak: with graph breaks, each graph's plus what the other
+        graphs of its step hold meanwhile (``planner.step_peak``); the largest over every
+        input shape planned so far (each recompile is a step of its own)."""
+        return step_peak(self.graphs, lambda g: g.plan)
+
+    def held_before(self, graph: GraphPlan) -> int:
+        """What the earlier graphs of ``graph``'s step hold while it runs."""
+        by_name = {g.name: g for g in self.graphs}
+        return sum(by_name[name].held_bytes for name in graph.after)
 
     @property
     def store_all_peak(self) -> int:
-        return _peak_over_graphs(self.graphs, lambda g: g.store_all)
+        return step_peak(self.graphs, lambda g: g.store_all)
 
     def rows(self) -> list[dict]:
         out = []
@@ -258,6 +266,7 @@ class PlanReport:
             out.append(
                 {
                     "graph": g.name,
+                    "compile": "-" if g.compile_id is None else str(g.compile_id),
                     "nodes": len(problem),
                     "saved": len(p.saved),
                     "saved bytes": format_bytes(g.saved_bytes),

@@ -470,11 +470,7 @@ def _remat_columns(row: Row, report) -> None:
     graphs = report.graphs
     row.graphs = len(graphs)
     row.predicted_peak = report.predicted_peak
-    held, limit = 0, 0
-    for g in graphs:
-        limit = max(limit, held + g.budget)
-        held += g.held_bytes
-    row.budget_bytes = limit
+    row.budget_bytes = max(report.held_before(g) + g.budget for g in graphs)
     row.plan_s = sum(g.plan_seconds for g in graphs)
     gaps = [g.plan.gap for g in graphs]
     row.gap = None if any(x is None for x in gaps) else max(gaps, default=None)

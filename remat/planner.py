@@ -5,10 +5,11 @@ hands it (one per graph break) and keeps the plans, so a user can look at
 what was decided and a test can check the prediction against a measurement.
 
 Budget across graph breaks: graphs are compiled in forward order, and the
-values an earlier graph saves stay allocated while later graphs run. An
-absolute budget therefore shrinks, for each graph, by the bytes the graphs
-compiled before it save; a fractional budget applies to each graph's own
-store-all peak.
+values an earlier graph saves or returns stay allocated while later graphs run.
+An absolute budget therefore shrinks, for each graph, by the bytes the earlier
+graphs of its step hold (a recompile for new input shapes starts a step of its
+own); a fractional budget applies to each graph's own store-all peak. Graphs
+with symbolic input sizes are refused: a plan is for concrete shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch._guards import CompileContext, CompileId
 
 from remat import costs
 from remat.passes._torch_compat import real_tensors
@@ -33,6 +35,7 @@ from remat.solvers import (
     held_bytes,
     parse_budget,
     resolve_budget,
+    returned_bytes,
     saved_bytes,
     solve,
     store_all,
@@ -91,6 +94,13 @@ class GraphPlan:
     store_all: Plan
     budget: int
     plan_seconds: float
+    # dynamo's id of the compile that produced this graph (None outside dynamo), and the
+    # names of the graphs that run before it in the same step (``Planner._earlier_in_step``)
+    compile_id: CompileId | None = None
+    after: tuple[str, ...] = ()
+    # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
+    # those stay in ``.grad`` while the backwards of earlier graphs of the step run
+    leaves: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def saved_bytes(self) -> int:
@@ -120,12 +130,18 @@ class Planner:
         self.solver = solver
         self.cost_model = cost_model
         self.graphs: list[GraphPlan] = []
+        # set by the backend for the next graph: its inputs that are leaves needing a
+        # gradient, as ``GraphPlan.leaves`` (the joint graph alone does not say which)
+        self.next_leaves: frozenset[tuple[int, int]] = frozenset()
 
     def __call__(
         self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_ignored
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         start = time.perf_counter()
         name = f"graph{len(self.graphs)}"
+        _refuse_symbolic_shapes(joint, name)
+        compile_id = CompileContext.current_compile_id()
+        earlier = self._earlier_in_step(compile_id)
         dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
         replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
         log.debug(
@@ -144,13 +160,20 @@ class Planner:
             extracted = extract(joint, num_fwd_outputs, facts, name=name)
         problem = extracted.problem
         baseline = store_all(problem)
-        limit = self._graph_budget(baseline.peak, name)
+        held = sum(g.held_bytes for g in earlier)
+        limit = self._graph_budget(baseline.peak, name, held)
         try:
             plan = solve(problem, limit, self.solver)
         except InfeasibleBudget as e:
-            raise self._in_step_terms(e, name) from None
+            raise self._in_step_terms(e, name, held) from None
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
-        record = GraphPlan(name, extracted, plan, baseline, limit, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        after = tuple(g.name for g in earlier)
+        leaves, self.next_leaves = self.next_leaves, frozenset()
+        record = GraphPlan(
+            name, extracted, plan, baseline, limit, seconds, compile_id, after, leaves
+        )
+        self._check_gradients_fit(record)
         self.graphs.append(record)
         log.info(
             "remat %s: %s (store-all %s, budget %s, planned in %.2fs)",
@@ -162,11 +185,12 @@ class Planner:
         )
         return fw, bw
 
-    def _graph_budget(self, store_all_peak: int, name: str) -> int:
+    def _graph_budget(self, store_all_peak: int, name: str, held: int) -> int:
+        """This graph's share of the budget: a fraction applies to its own store-all peak,
+        bytes are what the ``held`` bytes of earlier graphs of the step leave."""
         value = parse_budget(self.budget)
         if isinstance(value, float):
             return resolve_budget(value, store_all_peak)
-        held = self._held_by_earlier_graphs()
         if held >= value:
             raise ValueError(
                 f"budget {format_bytes(value)} is used up before {name}: earlier graphs of the "
@@ -175,16 +199,47 @@ class Planner:
             )
         return value - held
 
-    def _held_by_earlier_graphs(self) -> int:
-        """Bytes the graphs planned so far hold while the next one runs."""
-        return sum(g.held_bytes for g in self.graphs)
+    def _earlier_in_step(self, compile_id: CompileId | None) -> list[GraphPlan]:
+        """The graphs planned so far that run before this one in a step, holding what they
+        saved or returned while it runs.
 
-    def _in_step_terms(self, refusal: InfeasibleBudget, name: str) -> InfeasibleBudget:
+        dynamo numbers frames in the order a step first reaches them (the forward, then the
+        code after each graph break) and compiles a frame again for new input shapes, so
+        those graphs are the latest compile of each earlier frame, not every graph so far
+        (a recompile is an alternative to the graph it replaces, not part of its step).
+        Graphs planned outside dynamo have no compile id: all of them count."""
+        if compile_id is None:
+            return list(self.graphs)
+        latest = {}
+        for g in self.graphs:  # in planning order: a later compile of a frame replaces
+            if g.compile_id is not None and g.compile_id.frame_id < compile_id.frame_id:
+                latest[g.compile_id.frame_id] = g
+        return [latest[f] for f in sorted(latest)]
+
+    def _check_gradients_fit(self, graph: GraphPlan) -> None:
+        """The gradients ``graph``'s backward leaves in ``.grad`` stay allocated while the
+        backwards of the earlier graphs of its step run, and those were planned before
+        this graph was traced: refuse when that takes the step over an absolute budget."""
+        value = parse_budget(self.budget)
+        if isinstance(value, float) or not graph.leaves or not graph.after:
+            return
+        predicted = step_peak([*self.graphs, graph], lambda g: g.plan)
+        if predicted > value:
+            raise ValueError(
+                f"budget {format_bytes(value)} cannot hold this step: the parameter gradients "
+                f"{graph.name} leaves ({format_bytes(sum(b for _, b in graph.leaves))}) stay "
+                f"allocated while the backward of {', '.join(graph.after)} runs, which was "
+                f"planned before {graph.name} was traced (a graph break); the step would peak "
+                f"at {format_bytes(predicted)} ({predicted} bytes). Remove the graph break "
+                "(torch._dynamo.explain shows it) so remat plans the step as one, or raise "
+                "the budget."
+            )
+
+    def _in_step_terms(self, refusal: InfeasibleBudget, name: str, held: int) -> InfeasibleBudget:
         """An absolute budget's refusal for a later graph, in the step's bytes: the
         budget, and the graph's minimum plus what earlier graphs hold (``_graph_budget``
         took that off)."""
         value = parse_budget(self.budget)
-        held = self._held_by_earlier_graphs()
         if isinstance(value, float) or not held:
             return refusal
         r = refusal
@@ -196,6 +251,52 @@ class Planner:
         if self.cost_model == "profile":
             model.measured.update(costs.profile_seconds(joint, device))
         return model
+
+
+def step_peak(graphs: list[GraphPlan], plan_of) -> int:
+    """The predicted peak of a step made of ``graphs`` (graph breaks), under the plans
+    ``plan_of(graph)``: the largest, over graphs, of its own timeline plus
+
+    - what the earlier graphs of its step hold (saved and returned, ``GraphPlan.after``),
+      all through it;
+    - during its backward, the gradients of the leaves of the later graphs (their
+      backwards ran first: autograd keeps them in ``.grad``);
+    - once its backward returns, the largest leaf it shares with a later graph: autograd
+      adds the two gradients into a new tensor before it frees the old one.
+
+    Over every input shape planned (each recompile is a step of its own)."""
+    by_name = {g.name: g for g in graphs}
+    peak = 0
+    for g in graphs:
+        plan = plan_of(g)
+        held = sum(held_bytes(e.extracted.problem, plan_of(e)) for e in map(by_name.get, g.after))
+        later = set().union(*(h.leaves for h in graphs if g.name in h.after))
+        grads = sum(b for _, b in later)
+        shared = max((b for leaf, b in g.leaves if (leaf, b) in later), default=0)
+        timeline = plan.timeline
+        done = returned_bytes(g.extracted.problem) + grads + shared
+        own = max(timeline.forward_peak, timeline.backward_peak + grads, done)
+        peak = max(peak, held + own)
+    return peak
+
+
+def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:
+    """remat plans a step at concrete sizes (bytes, times, the budget itself): a graph
+    whose inputs have symbolic sizes is refused with what to do, not planned at one size
+    and run at others."""
+    symbols = set()
+    for node in joint.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        sizes = val.shape if isinstance(val, torch.Tensor) else (val,)
+        symbols |= {str(s) for s in sizes if isinstance(s, torch.SymInt)}
+    if symbols:
+        raise ValueError(
+            f"remat plans a step at concrete shapes, but {name}'s inputs have symbolic sizes "
+            f"({', '.join(sorted(symbols))}): torch.compile made the graph dynamic (it does "
+            "so by itself when a second input shape arrives). Pass dynamic=False, as in "
+            "torch.compile(model, backend=remat.backend(budget), dynamic=False) (remat.optimize "
+            "does), so each input shape is planned on its own."
+        )
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:
