@@ -14,6 +14,7 @@ from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 from remat.passes._torch_compat import boxed
 from remat.planner import GraphPlan, Planner, step_peak
+from remat.runs import RunTracker
 from remat.solvers import InfeasibleBudget, format_bytes
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
@@ -42,6 +43,7 @@ class RematBackend:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         self.compiler = compiler
         self.planner = Planner(budget, solver=solver, cost_model=cost_model)
+        self.runs = RunTracker()  # warns when a graph runs twice in a step
 
     @property
     def graphs(self) -> list[GraphPlan]:
@@ -65,12 +67,19 @@ class RematBackend:
         self.planner.next_leaves = _leaves_needing_grad(example_inputs)
         from torch._dynamo.backends.common import aot_autograd
 
-        def compile_program(program: torch.fx.GraphModule, _inputs):
+        def compile_forward(program: torch.fx.GraphModule, _inputs):
             return boxed(program)
 
-        return aot_autograd(
-            fw_compiler=compile_program, bw_compiler=compile_program, partition_fn=self.planner
+        def compile_backward(program: torch.fx.GraphModule, _inputs):
+            return self.runs.after_backward(boxed(program), program.meta["remat"])
+
+        planned = len(self.planner.graphs)
+        compiled = aot_autograd(
+            fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=self.planner
         )(gm, example_inputs)
+        if len(self.planner.graphs) == planned:  # an inference graph: nothing planned
+            return compiled
+        return self.runs.watch(compiled, self.planner.graphs[-1].name)
 
     def report(self) -> PlanReport:
         return PlanReport(tuple(self.planner.graphs))

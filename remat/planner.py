@@ -167,6 +167,7 @@ class Planner:
         except InfeasibleBudget as e:
             raise self._in_step_terms(e, name, held) from None
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
+        bw.meta["remat"] = name  # for ``runs.RunTracker``
         seconds = time.perf_counter() - start
         after = tuple(g.name for g in earlier)
         leaves, self.next_leaves = self.next_leaves, frozenset()

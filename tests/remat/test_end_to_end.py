@@ -391,6 +391,62 @@ def test_planning_inside_a_users_profiler_keeps_their_trace(caplog):
     assert any(e.key == "aten::sum" for e in prof.key_averages())
 
 
+def test_a_graph_run_again_before_its_backward_is_reported(caplog):
+    """Plans assume one run of each graph per step: a second forward before the first's
+    backward holds both runs' saved values, and remat says so (once). A dropped forward
+    and an ordinary step after a backward are not that."""
+    torch._dynamo.reset()
+    model, inputs = build("mlp", layers=2, width=16, batch=8)
+    optimized = remat.optimize(model, budget=1.0)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        optimized(*inputs).backward()
+        optimized(*inputs)  # never differentiated: its autograd graph is freed at once
+        optimized(*inputs).backward()
+        kept = optimized(*inputs)
+        assert "ran again" not in caplog.text
+        optimized(*inputs).backward()
+        assert caplog.text.count("remat graph0: ran again while 1 earlier run") == 1
+        kept.backward()
+        optimized(*inputs)
+    assert caplog.text.count("ran again") == 1
+
+
+class _BranchingBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.linear(x).relu()
+        if y.mean().item() > 100:  # data-dependent: a graph break
+            y = -y
+        return x + y
+
+
+class _BreakInALoop(torch.nn.Module):
+    """A graph break in each block of a loop: dynamo compiles the block's code as its own
+    frame and reruns that graph for every block."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_BranchingBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_graph_break_in_a_loop_is_reported(caplog):
+    torch._dynamo.reset()
+    model, x = _BreakInALoop(), torch.randn(8, 16)
+    optimized = remat.optimize(model, budget=1.0)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        optimized(x).backward()
+    assert "ran again while" in caplog.text and "inside a loop" in caplog.text
+    torch._dynamo.reset()
+
+
 def test_dynamo_backend_by_name():
     model, inputs = build("mlp")
     reference = copy.deepcopy(model)
