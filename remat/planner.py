@@ -207,15 +207,19 @@ class Planner:
         dynamo numbers frames in the order a step first reaches them (the forward, then the
         code after each graph break) and compiles a frame again for new input shapes, so
         those graphs are the latest compile of each earlier frame, not every graph so far
-        (a recompile is an alternative to the graph it replaces, not part of its step).
-        Graphs planned outside dynamo have no compile id: all of them count."""
+        (a recompile is an alternative to the graph it replaces, not part of its step),
+        and the graphs of this same compile planned before (DDP's optimizer splits one
+        compile into a graph per gradient bucket). Graphs planned outside dynamo have no
+        compile id: all of them count."""
         if compile_id is None:
             return list(self.graphs)
+        frame = compile_id.frame_id
         latest = {}
         for g in self.graphs:  # in planning order: a later compile of a frame replaces
-            if g.compile_id is not None and g.compile_id.frame_id < compile_id.frame_id:
+            if g.compile_id is not None and g.compile_id.frame_id < frame:
                 latest[g.compile_id.frame_id] = g
-        return [latest[f] for f in sorted(latest)]
+        same = [g for g in self.graphs if g.compile_id == compile_id]
+        return [latest[f] for f in sorted(latest)] + same
 
     def _check_gradients_fit(self, graph: GraphPlan) -> None:
         """The gradients ``graph``'s backward leaves in ``.grad`` stay allocated while the

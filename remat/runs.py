@@ -36,6 +36,8 @@ class RunTracker:
 
         @functools.wraps(compiled)
         def run(*args, **kwargs):
+            if _fake(args):  # DDP's optimizer runs graphs on fake tensors while compiling
+                return compiled(*args, **kwargs)
             waiting = self.waiting[graph]
             if waiting and graph not in self.warned:
                 self.warned.add(graph)
@@ -76,6 +78,14 @@ class RunTracker:
         waiting = self.waiting[graph]
         if any(t is token for t in waiting):
             waiting[:] = [t for t in waiting if t is not token]
+
+
+def _fake(args: tuple) -> bool:
+    """Whether ``args`` (positional, or one boxed list) hold fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+    return any(isinstance(a, FakeTensor) for a in flat)
 
 
 def _backward_node(outputs) -> object | None:
