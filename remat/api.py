@@ -43,7 +43,8 @@ class RematBackend:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         self.compiler = compiler
         self.planner = Planner(budget, solver=solver, cost_model=cost_model)
-        self.runs = RunTracker()  # warns when a graph runs twice in a step
+        # warns when a graph runs twice in a step, or its loss is computed outside it
+        self.runs = RunTracker(self.planner.warn_if_loss_outside)
 
     @property
     def graphs(self) -> list[GraphPlan]:

@@ -25,7 +25,7 @@ from torch._guards import CompileContext, CompileId
 from remat import costs
 from remat.passes._torch_compat import real_tensors
 from remat.passes.clones import drop_identity_clones
-from remat.passes.extract import Extracted, extract
+from remat.passes.extract import Extracted, extract, is_tangent
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.solvers import (
@@ -101,6 +101,8 @@ class GraphPlan:
     # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
     # those stay in ``.grad`` while the backwards of earlier graphs of the step run
     leaves: frozenset[tuple[int, int]] = frozenset()
+    # its backward starts from a scalar's gradient (a loss computed inside the graph)
+    loss_inside: bool = True
 
     @property
     def saved_bytes(self) -> int:
@@ -171,8 +173,12 @@ class Planner:
         seconds = time.perf_counter() - start
         after = tuple(g.name for g in earlier)
         leaves, self.next_leaves = self.next_leaves, frozenset()
+        loss_inside = any(
+            is_tangent(n) and n.users and getattr(n.meta.get("val"), "numel", int)() == 1
+            for n in joint.graph.find_nodes(op="placeholder")
+        )
         record = GraphPlan(
-            name, extracted, plan, baseline, limit, seconds, compile_id, after, leaves
+            name, extracted, plan, baseline, limit, seconds, compile_id, after, leaves, loss_inside
         )
         self._check_gradients_fit(record)
         self.graphs.append(record)
@@ -239,6 +245,22 @@ class Planner:
                 "(torch._dynamo.explain shows it) so remat plans the step as one, or raise "
                 "the budget."
             )
+
+    def warn_if_loss_outside(self, name: str) -> None:
+        """After ``name``'s first backward: if no graph of the step computed the loss, code
+        remat does not compile did (a loss computed on the model's outputs), and what it
+        holds during the step is in no plan."""
+        graph = next(g for g in self.graphs if g.name == name)
+        if graph.loss_inside or any(name in g.after for g in self.graphs):
+            return
+        log.warning(
+            "remat %s: its backward started from the gradient of a non-scalar output, so "
+            "the loss was computed outside the compiled model (e.g. on the logits it "
+            "returns): what that code holds during the step (a cross-entropy keeps a "
+            "softmax the size of the logits) is not in remat's plan or predicted peak. "
+            "Compute the loss inside forward to have it planned.",
+            name,
+        )
 
     def _in_step_terms(self, refusal: InfeasibleBudget, name: str, held: int) -> InfeasibleBudget:
         """An absolute budget's refusal for a later graph, in the step's bytes: the

@@ -27,9 +27,10 @@ log = logging.getLogger("remat")
 class RunTracker:
     """Per graph, the runs whose backward has not run yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first_backward: Callable[[str], None] | None = None) -> None:
         self.waiting: defaultdict[str, list[object]] = defaultdict(list)
         self.warned: set[str] = set()
+        self.on_first_backward = on_first_backward  # called with the graph's name
 
     def watch(self, compiled: Callable, graph: str) -> Callable:
         """``compiled`` (what the backend returns for ``graph``), counting its runs."""
@@ -65,10 +66,15 @@ class RunTracker:
         """``program`` (``graph``'s boxed backward), ending the latest waiting run of
         ``graph`` each time it returns (backwards run in reverse order)."""
 
+        first = [True]
+
         def backward(args: list):
             grads = program(args)
             if self.waiting[graph]:
                 self.waiting[graph].pop()
+            if first[0] and self.on_first_backward is not None:
+                first[0] = False
+                self.on_first_backward(graph)
             return grads
 
         backward._boxed_call = True

@@ -409,6 +409,21 @@ def test_a_graph_run_again_before_its_backward_is_reported(caplog):
         kept.backward()
         optimized(*inputs)
     assert caplog.text.count("ran again") == 1
+    assert "outside the compiled model" not in caplog.text
+
+
+def test_a_loss_computed_outside_the_model_is_reported(caplog):
+    """The model returns logits and the loss is computed eagerly on them: what the loss
+    holds (cross-entropy's softmax) is in no plan, and remat says so after the backward."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x, y = torch.randn(32, 16), torch.randint(0, 8, (32,))
+    optimized = remat.optimize(model, budget=1.0)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        logits = optimized(x)
+        assert "outside the compiled model" not in caplog.text
+        torch.nn.functional.cross_entropy(logits, y).backward()
+    assert caplog.text.count("remat graph0: its backward started from the gradient") == 1
 
 
 class _BranchingBlock(torch.nn.Module):
