@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,6 +187,15 @@ class RecompileLimitHit(RuntimeError):
         )
 
 
+def _shallow_copy(model: nn.Module) -> nn.Module:
+    """A new module object sharing ``model``'s attributes (parameters, buffers, submodules,
+    hooks). Not ``copy.copy``: that calls the class's ``__new__``, which FSDP2's wrapper
+    classes override to run ``__init__`` again without arguments."""
+    twin = object.__new__(type(model))
+    twin.__dict__.update(model.__dict__)
+    return twin
+
+
 def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
     """A shallow copy of ``model`` whose ``forward`` is compiled with ``rb``.
 
@@ -196,7 +204,7 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
     2.13 the compiled ``_call_impl`` frame is skipped by dynamo and nothing is
     compiled.)
     """
-    optimized = copy.copy(model)
+    optimized = _shallow_copy(model)
     compiled = torch.compile(optimized.forward, backend=rb, dynamic=False)
     dynamo = torch._dynamo.config
 

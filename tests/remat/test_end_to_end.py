@@ -494,6 +494,33 @@ def test_ddp_bucket_graphs_are_one_step(caplog):
         torch._dynamo.reset()
 
 
+def test_fsdp2_trains_and_says_its_step_is_not_planned_whole(caplog):
+    """FSDP2's wrapper class overrides ``__new__`` (``copy.copy`` of it raised a TypeError),
+    and its per-module hooks break the graph at every sharded block: remat trains it with
+    eager's gradients and warns that the one block graph reruns per block."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, inputs = build("gpt")
+        reference = copy.deepcopy(model)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimized = remat.optimize(model, budget=1.0)
+        with caplog.at_level(logging.WARNING, logger="remat"):
+            optimized(*inputs).backward()
+        reference(*inputs).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-5)
+        assert "ran again while" in caplog.text
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def test_dynamo_backend_by_name():
     model, inputs = build("mlp")
     reference = copy.deepcopy(model)
