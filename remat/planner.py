@@ -170,15 +170,18 @@ class Planner:
             raise self._in_step_terms(e, name, held) from None
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
         bw.meta["remat"] = name  # for ``runs.RunTracker``
-        seconds = time.perf_counter() - start
-        after = tuple(g.name for g in earlier)
         leaves, self.next_leaves = self.next_leaves, frozenset()
-        loss_inside = any(
-            is_tangent(n) and n.users and getattr(n.meta.get("val"), "numel", int)() == 1
-            for n in joint.graph.find_nodes(op="placeholder")
-        )
         record = GraphPlan(
-            name, extracted, plan, baseline, limit, seconds, compile_id, after, leaves, loss_inside
+            name,
+            extracted,
+            plan,
+            baseline,
+            limit,
+            plan_seconds=time.perf_counter() - start,
+            compile_id=compile_id,
+            after=tuple(g.name for g in earlier),
+            leaves=leaves,
+            loss_inside=_starts_from_a_scalar(joint),
         )
         self._check_gradients_fit(record)
         self.graphs.append(record)
@@ -305,6 +308,14 @@ def step_peak(graphs: list[GraphPlan], plan_of) -> int:
         own = max(timeline.forward_peak, timeline.backward_peak + grads, done)
         peak = max(peak, held + own)
     return peak
+
+
+def _starts_from_a_scalar(joint: fx.GraphModule) -> bool:
+    """Whether the backward is fed a scalar's gradient (the loss is computed in the graph)."""
+    return any(
+        is_tangent(n) and n.users and getattr(n.meta.get("val"), "numel", int)() == 1
+        for n in joint.graph.find_nodes(op="placeholder")
+    )
 
 
 def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:
