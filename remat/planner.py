@@ -57,7 +57,7 @@ class CostModel:
     spec: costs.DeviceSpec
     device: torch.device
     measured: dict[str, float] = field(default_factory=dict)
-    _kernels: dict = field(default_factory=dict)  # costs.kernel_memory's cache
+    kernels: dict = field(default_factory=dict)  # costs.kernel_memory's cache
 
     def allocated_bytes(self, node: fx.Node) -> int:
         """The fake tensors' sizes, or the measured storage where a single output's is
@@ -65,7 +65,7 @@ class CostModel:
         nominal = costs.allocated_bytes(node)
         if nominal == 0 or isinstance(node.meta.get("val"), (list, tuple)):
             return nominal  # aliases, views, multi-output ops (their parts own the bytes)
-        measured = costs.kernel_memory(node, self.device, self._kernels)
+        measured = costs.kernel_memory(node, self.device, self.kernels)
         return nominal if measured is None else max(nominal, measured.storage)
 
     def aliased_input(self, node: fx.Node) -> fx.Node | None:
@@ -77,7 +77,7 @@ class CostModel:
         return costs.estimate_seconds(node, self.spec)
 
     def workspace(self, node: fx.Node) -> int:
-        measured = costs.kernel_memory(node, self.device, self._kernels)
+        measured = costs.kernel_memory(node, self.device, self.kernels)
         return 0 if measured is None else measured.scratch
 
     def recomputable(self, node: fx.Node) -> bool:
@@ -159,11 +159,22 @@ class Planner:
                     "plans at the first.",
                     name,
                 )
+            log.info("remat %s: measuring each kernel's memory on %s...", name, facts.device)
+            measuring = time.perf_counter()
             extracted = extract(joint, num_fwd_outputs, facts, name=name)
         problem = extracted.problem
         baseline = store_all(problem)
         held = sum(g.held_bytes for g in earlier)
         limit = self._graph_budget(baseline.peak, name, held)
+        log.info(
+            "remat %s: %d nodes, %d distinct kernels measured in %.1fs; solving (%s, budget %s)",
+            name,
+            len(problem),
+            len(facts.kernels),
+            time.perf_counter() - measuring,
+            self.solver if isinstance(self.solver, str) else "custom solver",
+            format_bytes(limit),
+        )
         try:
             plan = solve(problem, limit, self.solver)
         except InfeasibleBudget as e:
