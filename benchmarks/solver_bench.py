@@ -5,9 +5,11 @@
 
 Graphs: ``synthetic.layered`` transformer stacks of about ``--sizes`` nodes each, and
 (unless ``--gpt-layers 0``) the traced joint graph of the built-in ``gpt`` example with
-that many layers. Budgets are fractions of each graph's store-all peak. The greedy runs
-first for every graph and budget: ``overhead`` is ``(cost - greedy cost) / greedy cost``.
-Every plan is re-scheduled and re-simulated here and must peak within its budget.
+that many layers, at its default sizes or those ``--gpt-size key=value`` gives (e.g.
+GPT-2 small's: ``d_model=768 heads=12 seq=1024 vocab=50257``). Budgets are fractions
+of each graph's store-all peak. The greedy runs first for every graph and budget:
+``overhead`` is ``(cost - greedy cost) / greedy cost``. Every plan is re-scheduled and
+re-simulated here and must peak within its budget.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def graphs(sizes: list[int], gpt_layers: int) -> list[tuple[str, Problem]]:
+def graphs(sizes: list[int], gpt_layers: int, gpt_sizes: dict) -> list[tuple[str, Problem]]:
     out = []
     for size in sizes:
         problem = layered(max(1, round((size - 5) / NODES_PER_LAYER)))
@@ -51,10 +53,11 @@ def graphs(sizes: list[int], gpt_layers: int) -> list[tuple[str, Problem]]:
         from remat import examples
 
         start = time.perf_counter()
-        model, inputs = examples.load("gpt", layers=gpt_layers)
+        model, inputs = examples.load("gpt", layers=gpt_layers, **gpt_sizes)
         report = remat.plan(model, inputs, budget=1.0, solver="store-all")
+        label = f"gpt{gpt_layers}" + "".join(f",{k}={v}" for k, v in gpt_sizes.items())
         for g in report.graphs:
-            name = f"gpt{gpt_layers}" + (f"/{g.name}" if len(report.graphs) > 1 else "")
+            name = label + (f"/{g.name}" if len(report.graphs) > 1 else "")
             out.append((name, g.extracted.problem))
         log(f"gpt{gpt_layers}: traced and extracted in {time.perf_counter() - start:.1f}s")
     return out
@@ -95,6 +98,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="500,2000,10000", help="approximate node counts")
     parser.add_argument("--gpt-layers", type=int, default=12, help="0 skips the GPT graph")
+    parser.add_argument(
+        "--gpt-size",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="a size of the gpt example (repeatable), e.g. d_model=768",
+    )
     parser.add_argument("--budgets", default="0.7,0.5,0.3", help="fractions of store-all")
     parser.add_argument("--solvers", default="greedy,cpsat")
     parser.add_argument(
@@ -105,12 +115,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    try:
+        gpt_sizes = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.gpt_size)}
+    except ValueError:
+        parser.error(f"--gpt-size takes KEY=INT, got {args.gpt_size}")
     budgets = [float(b) for b in args.budgets.split(",")]
     names = ["greedy"] + [s for s in args.solvers.split(",") if s and s != "greedy"]
     fns = {name: solver(name, args.time_limit) for name in names}
 
     rows = []
-    for graph, problem in graphs(sizes, args.gpt_layers):
+    for graph, problem in graphs(sizes, args.gpt_layers, gpt_sizes):
         full = store_all(problem).peak
         log(f"{graph}: {len(problem)} nodes, store-all peak {format_bytes(full)}")
         for fraction in budgets:
