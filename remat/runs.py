@@ -66,14 +66,15 @@ class RunTracker:
         """``program`` (``graph``'s boxed backward), ending the latest waiting run of
         ``graph`` each time it returns (backwards run in reverse order)."""
 
-        first = [True]
+        first = True
 
         def backward(args: list):
+            nonlocal first
             grads = program(args)
             if self.waiting[graph]:
                 self.waiting[graph].pop()
-            if first[0] and self.on_first_backward is not None:
-                first[0] = False
+            if first and self.on_first_backward is not None:
+                first = False
                 self.on_first_backward(graph)
             return grads
 
