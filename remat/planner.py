@@ -277,13 +277,20 @@ class Planner:
         )
 
     def _in_step_terms(self, refusal: InfeasibleBudget, name: str, held: int) -> InfeasibleBudget:
-        """An absolute budget's refusal for a later graph, in the step's bytes: the
-        budget, and the graph's minimum plus what earlier graphs hold (``_graph_budget``
-        took that off)."""
-        value = parse_budget(self.budget)
-        if isinstance(value, float) or not held:
+        """A later graph's refusal, in the step's terms. An absolute budget: the budget,
+        and the graph's minimum plus what earlier graphs hold (``_graph_budget`` took that
+        off). A fraction: the same numbers, saying that it applies per graph."""
+        value, r = parse_budget(self.budget), refusal
+        if not held:
             return refusal
-        r = refusal
+        if isinstance(value, float):
+            note = (
+                f"{name} runs after a graph break, and a fractional budget applies to each "
+                "graph's own store-all peak: a graph that cannot shrink that far (a loss "
+                "computed after a break) needs a larger fraction, an absolute budget, or the "
+                "break removed (torch._dynamo.explain shows it)."
+            )
+            return InfeasibleBudget(r.budget, r.minimum, r.store_all, name, r.proven, note=note)
         return InfeasibleBudget(value, r.minimum + held, r.store_all + held, name, r.proven, held)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:

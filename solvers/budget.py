@@ -72,7 +72,7 @@ class InfeasibleBudget(ValueError):
 
     ``proven``: a solver proved that no plan at all fits the budget (not only that it
     found none). ``held``: bytes earlier graphs of the step (graph breaks) hold while this
-    one runs, included in ``budget``, ``minimum`` and ``store_all``.
+    one runs, included in ``budget``, ``minimum`` and ``store_all``. ``note``: said last.
     """
 
     def __init__(
@@ -83,6 +83,7 @@ class InfeasibleBudget(ValueError):
         graph: str = "",
         proven: bool = False,
         held: int = 0,
+        note: str = "",
     ) -> None:
         self.budget, self.minimum, self.store_all = budget, minimum, store_all
         self.proven, self.held = proven, held
@@ -101,7 +102,7 @@ class InfeasibleBudget(ValueError):
             f"budget {format_bytes(budget)} is below the smallest peak remat can reach{where}: "
             f"{format_bytes(minimum)} ({minimum} bytes, {minimum / max(store_all, 1):.1%} of the "
             f"store-all peak {format_bytes(store_all)}).{proof} Raise the budget to at least "
-            f"{minimum} bytes.{earlier}"
+            f"{minimum} bytes.{earlier}" + (f" {note}" if note else "")
         )
 
 

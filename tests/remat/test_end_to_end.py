@@ -301,6 +301,32 @@ def test_a_later_graph_refused_under_an_absolute_budget_counts_what_earlier_ones
     assert "graph graph1" in str(e) and "earlier graphs of the step" in str(e)
 
 
+class _LossAfterBreak(torch.nn.Module):
+    """A graph break before the loss (as HF GPT-2 called with labels has): the loss graph
+    cannot shrink below its own store-all peak."""
+
+    def __init__(self):
+        super().__init__()
+        layers = [torch.nn.Linear(64, 256)] + [torch.nn.Linear(256, 256) for _ in range(5)]
+        self.body = torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.GELU())))
+
+    def forward(self, x, target):
+        logits = self.body(x)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(logits, target)
+
+
+def test_a_fraction_a_loss_graph_cannot_reach_says_it_applies_per_graph():
+    torch._dynamo.reset()
+    model, x, t = _LossAfterBreak(), torch.randn(2048, 64), torch.randint(0, 256, (2048,))
+    optimized = remat.optimize(model, budget=0.6)
+    with pytest.raises(remat.InfeasibleBudget) as refusal:
+        optimized(x, t)
+    message = str(refusal.value)
+    assert "graph graph1" in message and "applies to each graph's own store-all" in message
+    torch._dynamo.reset()
+
+
 class _SharedAcrossBreak(torch.nn.Module):
     """Parameters on both sides of a graph break, ``b`` on both: graph1's backward runs
     first and leaves its gradients in ``.grad`` while graph0's backward runs."""
