@@ -159,16 +159,16 @@ def optimize(
 ) -> nn.Module:
     """Return ``model`` compiled so one training step peaks under ``budget``.
 
-    The result shares parameters, buffers and ``state_dict`` keys with
-    ``model`` (it is a shallow copy whose call is compiled), so an optimizer
-    built on either trains both. Planning happens at the first call, like
-    ``torch.compile``; ``result.remat.report()`` shows what was decided.
+    The result shares everything with ``model`` but its compiled ``forward``
+    (parameters, buffers, submodules, ``state_dict`` keys, ``training``), so an
+    optimizer built on either trains both and ``model.eval()`` switches both.
+    Planning happens at the first call, like ``torch.compile``;
+    ``result.remat.report()`` shows what was decided.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
-    optimized = _compiled_copy(model, rb)
-    optimized.remat = rb
+    optimized = _compiled_copy(model, rb)  # ``optimized.remat`` is ``rb``
     return optimized
 
 
@@ -187,29 +187,29 @@ class RecompileLimitHit(RuntimeError):
         )
 
 
-def _shallow_copy(model: nn.Module) -> nn.Module:
-    """A new module object sharing ``model``'s attributes (parameters, buffers, submodules,
-    hooks). Not ``copy.copy``: that calls the class's ``__new__``, which FSDP2's wrapper
-    classes override to run ``__init__`` again without arguments."""
-    twin = object.__new__(type(model))
-    twin.__dict__.update(model.__dict__)
-    return twin
-
-
 def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
-    """A shallow copy of ``model`` whose ``forward`` is compiled with ``rb``.
+    """A module that is ``model`` in all but its ``forward``, which is compiled with ``rb``.
 
-    The copy shares the parameter, buffer and submodule dicts, so keys and
-    tensors are the original's. (``nn.Module.compile`` is not used: in torch
-    2.13 the compiled ``_call_impl`` frame is skipped by dynamo and nothing is
-    compiled.)
+    It shares ``model``'s ``__dict__`` itself, so parameters, buffers, submodules, hooks
+    and plain attributes such as ``training`` are one: ``model.eval()`` switches both (a
+    copy of the dict kept its own ``training`` flag, and the optimized module ran its
+    training-only branch in validation). The compiled ``forward`` and ``remat`` live on a
+    subclass of ``model``'s class made here, so ``model`` itself is unchanged. It is made
+    without the class's ``__new__``, which FSDP2's wrapper classes override to run
+    ``__init__`` again. (``nn.Module.compile`` is not used: in torch 2.13 the compiled
+    ``_call_impl`` frame is skipped by dynamo and nothing is compiled.)
     """
-    optimized = _shallow_copy(model)
-    compiled = torch.compile(optimized.forward, backend=rb, dynamic=False)
+    cls = type(model)
+    if "forward" in model.__dict__:
+        raise TypeError(
+            f"{cls.__name__} sets forward on the instance; remat compiles the class's forward "
+            "(define it on the class)"
+        )
+    compiled = torch.compile(model.forward, backend=rb, dynamic=False)
     dynamo = torch._dynamo.config
 
-    @functools.wraps(model.forward)
-    def forward(*args, **kwargs):
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
         try:
             # Past its recompile limit dynamo would run the step eagerly, outside the
             # budget, with only a log warning: fail instead (unless errors are suppressed,
@@ -222,9 +222,12 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
                 raise failure.inner_exception from None
             raise
         except FailOnRecompileLimitHit as hit:
-            raise RecompileLimitHit(type(model).__name__, dynamo.recompile_limit) from hit
+            raise RecompileLimitHit(cls.__name__, dynamo.recompile_limit) from hit
 
-    optimized.forward = forward
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    twin_class = type(cls.__name__, (cls,), {**names, "forward": forward, "remat": rb})
+    optimized = object.__new__(twin_class)
+    object.__setattr__(optimized, "__dict__", model.__dict__)
     return optimized
 
 

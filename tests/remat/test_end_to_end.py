@@ -230,11 +230,38 @@ def test_optimized_module_shares_parameters_and_keys():
     optimized = remat.optimize(model, budget=0.8)
     assert list(optimized.state_dict()) == list(model.state_dict())
     assert all(p is q for p, q in zip(optimized.parameters(), model.parameters(), strict=True))
+    assert isinstance(optimized, type(model)) and not hasattr(model, "remat")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = next(model.parameters()).detach().clone()
     optimized(*inputs).backward()
     opt.step()
     assert not torch.equal(before, next(optimized.parameters()))
+
+
+class _TrainingOnlyBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.training:  # the module's own flag, not a submodule's
+            y = y + 100.0
+        return y.square().mean()
+
+
+def test_train_and_eval_switch_the_model_and_the_optimized_module_alike():
+    """A copy kept its own ``training`` flag: after ``model.eval()`` the optimized module
+    still ran the training branch (10016.0 against eager's 0.27)."""
+    torch._dynamo.reset()
+    model, x = _TrainingOnlyBranch(), torch.randn(4, 8)
+    optimized = remat.optimize(model, budget=1.0)
+    optimized(x).backward()
+    model.eval()
+    with torch.no_grad():
+        assert optimized(x).item() == model(x).item()
+    optimized.train()
+    assert model.training
 
 
 def test_plan_does_not_train_or_touch_buffers():
