@@ -224,8 +224,17 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
         except FailOnRecompileLimitHit as hit:
             raise RecompileLimitHit(cls.__name__, dynamo.recompile_limit) from hit
 
+    def __deepcopy__(self, memo):
+        # A copy's forward would still run ``model`` (``compiled`` is bound to it).
+        raise TypeError(
+            f"a remat-optimized {cls.__name__} cannot be deep-copied (the copy would still "
+            "run the original's parameters): deep-copy the original module, and optimize "
+            "the copy if it should be optimized too"
+        )
+
     names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    twin_class = type(cls.__name__, (cls,), {**names, "forward": forward, "remat": rb})
+    members = {"forward": forward, "remat": rb, "__deepcopy__": __deepcopy__}
+    twin_class = type(cls.__name__, (cls,), {**names, **members})
     optimized = object.__new__(twin_class)
     object.__setattr__(optimized, "__dict__", model.__dict__)
     return optimized

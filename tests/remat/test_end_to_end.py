@@ -262,6 +262,8 @@ def test_train_and_eval_switch_the_model_and_the_optimized_module_alike():
         assert optimized(x).item() == model(x).item()
     optimized.train()
     assert model.training
+    with pytest.raises(TypeError, match="deep-copy the original module"):
+        copy.deepcopy(optimized)
 
 
 def test_plan_does_not_train_or_touch_buffers():
