@@ -149,32 +149,13 @@ class Planner:
         log.debug(
             "remat %s: %d identity clones dropped, %d dropouts replayed", name, dropped, replayed
         )
-        with real_tensors():  # the cost model may run ops on the device
-            facts = self._cost_model(joint)
-            if not costs.scratch_measurable(facts.device):
-                log.warning(
-                    "remat %s: planned inside a torch.profiler session, so kernels' scratch "
-                    "memory was not measured (profiler sessions do not nest) and the measured "
-                    "peak may exceed the predicted one. Run a step before profiling: remat "
-                    "plans at the first.",
-                    name,
-                )
-            log.info("remat %s: measuring each kernel's memory on %s...", name, facts.device)
-            measuring = time.perf_counter()
-            extracted = extract(joint, num_fwd_outputs, facts, name=name)
+        extracted = self._extract(joint, num_fwd_outputs, name)
         problem = extracted.problem
         baseline = store_all(problem)
         held = sum(g.held_bytes for g in earlier)
         limit = self._graph_budget(baseline.peak, name, held)
-        log.info(
-            "remat %s: %d nodes, %d distinct kernels measured in %.1fs; solving (%s, budget %s)",
-            name,
-            len(problem),
-            len(facts.kernels),
-            time.perf_counter() - measuring,
-            self.solver if isinstance(self.solver, str) else "custom solver",
-            format_bytes(limit),
-        )
+        solver = self.solver if isinstance(self.solver, str) else "custom solver"
+        log.info("remat %s: solving (%s, budget %s)", name, solver, format_bytes(limit))
         try:
             plan = solve(problem, limit, self.solver)
         except InfeasibleBudget as e:
@@ -205,6 +186,31 @@ class Planner:
             record.plan_seconds,
         )
         return fw, bw
+
+    def _extract(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
+        """The graph as a ``Problem``: bytes (each kernel measured on the device, see
+        ``CostModel``) and times per node; logged, since on big models it takes a while."""
+        with real_tensors():  # the cost model may run ops on the device
+            facts = self._cost_model(joint)
+            if not costs.scratch_measurable(facts.device):
+                log.warning(
+                    "remat %s: planned inside a torch.profiler session, so kernels' scratch "
+                    "memory was not measured (profiler sessions do not nest) and the measured "
+                    "peak may exceed the predicted one. Run a step before profiling: remat "
+                    "plans at the first.",
+                    name,
+                )
+            log.info("remat %s: measuring each kernel's memory on %s...", name, facts.device)
+            start = time.perf_counter()
+            extracted = extract(joint, num_fwd_outputs, facts, name=name)
+        log.info(
+            "remat %s: %d nodes, %d distinct kernels measured in %.1fs",
+            name,
+            len(extracted.problem),
+            len(facts.kernels),
+            time.perf_counter() - start,
+        )
+        return extracted
 
     def _graph_budget(self, store_all_peak: int, name: str, held: int) -> int:
         """This graph's share of the budget: a fraction applies to its own store-all peak,
