@@ -40,6 +40,15 @@ def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in str(node.target)
 
 
+def is_root_tangent(node: fx.Node) -> bool:
+    """A used tangent of one element: the gradient of a scalar loss, the backward's root
+    (autograd holds it until the backward returns)."""
+    val = node.meta.get("val")
+    return (
+        is_tangent(node) and bool(node.users) and isinstance(val, torch.Tensor) and val.numel() == 1
+    )
+
+
 def is_resident(node: fx.Node) -> bool:
     """Parameters, buffers, user inputs, RNG seeds and constants: allocated before the step."""
     return node.op == "get_attr" or (node.op == "placeholder" and not is_tangent(node))
@@ -122,18 +131,13 @@ def extract(
     # like a gradient. Larger ones (zeros for an output that gets no gradient, e.g. logits
     # returned beside the loss) reach the program only, which frees them after their last
     # use: measured, holding one to the end over-predicted the peak by its size.
-    held = (index[n] for n in kept if is_tangent(n) and n.users and _numel(n) == 1)
+    held = (index[n] for n in kept if is_root_tangent(n))
     grads += tuple(t for t in held if t not in grads)
     resident = sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
     problem = Problem(
         tuple(nodes), outputs=outputs, grads=grads, resident_bytes=resident, name=name
     )
     return Extracted(problem, tuple(kept))
-
-
-def _numel(node: fx.Node) -> int | None:
-    val = node.meta.get("val")
-    return val.numel() if isinstance(val, torch.Tensor) else None
 
 
 def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:

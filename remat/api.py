@@ -12,7 +12,7 @@ from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 from remat.passes._torch_compat import boxed
-from remat.planner import GraphPlan, Planner, step_peak
+from remat.planner import GraphPlan, Planner, held_before, step_peak
 from remat.runs import RunTracker
 from remat.solvers import InfeasibleBudget, format_bytes
 from remat.solvers.budget import Budget
@@ -50,6 +50,7 @@ class RematBackend:
         return self.planner.graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+        self.planner.next_leaves = _leaves_needing_grad(example_inputs)
         if self.compiler == "inductor":
             from torch._functorch import config as functorch_config
             from torch._inductor import config
@@ -62,9 +63,7 @@ class RematBackend:
                 ),
                 functorch_config.patch(enable_autograd_cache=False),
             ):
-                self.planner.next_leaves = _leaves_needing_grad(example_inputs)
                 return compile_fx(gm, example_inputs)
-        self.planner.next_leaves = _leaves_needing_grad(example_inputs)
         from torch._dynamo.backends.common import aot_autograd
 
         def compile_forward(program: torch.fx.GraphModule, _inputs):
@@ -281,8 +280,7 @@ class PlanReport:
 
     def held_before(self, graph: GraphPlan) -> int:
         """What the earlier graphs of ``graph``'s step hold while it runs."""
-        by_name = {g.name: g for g in self.graphs}
-        return sum(by_name[name].held_bytes for name in graph.after)
+        return held_before(graph, self.graphs, lambda g: g.plan)
 
     @property
     def store_all_peak(self) -> int:

@@ -25,7 +25,7 @@ from torch._guards import CompileContext, CompileId
 from remat import costs
 from remat.passes._torch_compat import real_tensors
 from remat.passes.clones import drop_identity_clones
-from remat.passes.extract import Extracted, extract, is_tangent
+from remat.passes.extract import Extracted, extract, is_root_tangent
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.solvers import (
@@ -319,11 +319,10 @@ def step_peak(graphs: list[GraphPlan], plan_of) -> int:
       adds the two gradients into a new tensor before it frees the old one.
 
     Over every input shape planned (each recompile is a step of its own)."""
-    by_name = {g.name: g for g in graphs}
     peak = 0
     for g in graphs:
         plan = plan_of(g)
-        held = sum(held_bytes(e.extracted.problem, plan_of(e)) for e in map(by_name.get, g.after))
+        held = held_before(g, graphs, plan_of)
         later = set().union(*(h.leaves for h in graphs if g.name in h.after))
         grads = sum(b for _, b in later)
         shared = max((b for leaf, b in g.leaves if (leaf, b) in later), default=0)
@@ -334,12 +333,16 @@ def step_peak(graphs: list[GraphPlan], plan_of) -> int:
     return peak
 
 
+def held_before(graph: GraphPlan, graphs: list[GraphPlan], plan_of) -> int:
+    """What the earlier graphs of ``graph``'s step (``GraphPlan.after``, among ``graphs``)
+    hold while it runs, under the plans ``plan_of(graph)``: saved and returned bytes."""
+    earlier = (g for g in graphs if g.name in graph.after)
+    return sum(held_bytes(g.extracted.problem, plan_of(g)) for g in earlier)
+
+
 def _starts_from_a_scalar(joint: fx.GraphModule) -> bool:
     """Whether the backward is fed a scalar's gradient (the loss is computed in the graph)."""
-    return any(
-        is_tangent(n) and n.users and getattr(n.meta.get("val"), "numel", int)() == 1
-        for n in joint.graph.find_nodes(op="placeholder")
-    )
+    return any(is_root_tangent(n) for n in joint.graph.find_nodes(op="placeholder"))
 
 
 def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:
