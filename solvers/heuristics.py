@@ -147,13 +147,20 @@ def _crossing(problem: Problem) -> list[int]:
 
 
 def descend(problem: Problem, plan: Plan, target: int) -> Plan:
-    """Flip one value at a time, the flip that lowers the peak most, until none does.
+    """Flip one value at a time, the flip that lowers the peak most, until the plan fits
+    ``target`` or no flip helps.
 
     Flips are limited to values live at the peak: stop saving a saved one, or
     save a recomputed one, which cuts the recompute chain that runs through it.
+    A flip that keeps the peak but lowers the memory summed over all steps also
+    counts (``_descent_key``): where two steps share the peak, no single flip lowers
+    it, but lowering one lets the next flip lower the other (the 4-layer gpt's lowest
+    peak 36.6% -> 30.6% of store-all, the 12-layer's 20.8% -> 20.1%).
     Each round tries the ``DESCEND_FLIPS`` largest first (each a full simulation; on
     large graphs hundreds are live at the peak), and the rest only if none of those
-    lowers the peak: so it stops where the full scan would.
+    helps: so it stops where the full scan would. The path does not depend on
+    ``target`` (it only says where to stop), so every budget between a plan's peak and
+    where its descent ends is met.
     """
     storage, nodes = problem.storage, problem.nodes
     movable = savable(problem)
@@ -171,22 +178,29 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
             key=lambda i: (-nodes[storage[i]].bytes, i),
         )
         best = _best_flip(problem, plan, flips[:DESCEND_FLIPS])
-        if best.peak >= plan.peak:
+        if best is plan:
             best = _best_flip(problem, plan, flips[DESCEND_FLIPS:])
-        if best.peak >= plan.peak:
+        if best is plan:
             return plan
         plan = best
     return plan
 
 
+def _descent_key(plan: Plan) -> tuple:
+    """What ``descend`` lowers: the peak, then the bytes live summed over every step (a
+    plateau of equal peaks shrinks one step at a time), then the recompute cost."""
+    return plan.peak, sum(live for _, _, live in plan.timeline.steps), plan.recompute_cost
+
+
 def _best_flip(problem: Problem, plan: Plan, flips: list[int]) -> Plan:
-    """The lowest-peak (then cheapest) of ``plan`` with one of ``flips`` flipped, or
-    ``plan`` itself."""
-    best = plan
+    """The best (``_descent_key``) of ``plan`` with one of ``flips`` flipped, or ``plan``
+    itself when none is better."""
+    best, best_key = plan, _descent_key(plan)
     for i in flips:
         trial = evaluate(problem, plan.saved ^ {i}, solver="greedy")
-        if (trial.peak, trial.recompute_cost) < (best.peak, best.recompute_cost):
-            best = trial
+        key = _descent_key(trial)
+        if key < best_key:
+            best, best_key = trial, key
     return best
 
 

@@ -543,7 +543,7 @@ def test_refusal_says_when_it_is_proven():
 def test_refusal_names_a_budget_below_the_greedys_minimum():
     """The greedy's minimum only bounds the true one from above: a refusal spends one
     solve halfway down from it and names the lowest budget a plan was found under."""
-    problem = random_joint(30, 3)
+    problem = random_joint(30, 16)
     greedy_minimum = greedy(problem).peak
     lowest = cpsat(problem, greedy_minimum - 1).peak  # CP-SAT undercuts the greedy here
     budget = 2 * lowest - greedy_minimum  # so that the bisection's middle is ``lowest``

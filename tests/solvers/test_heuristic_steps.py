@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from test_properties import any_problem
 
 from remat.solvers import Node, Problem, evaluate, store_all
+from remat.solvers.problem import without_free_views
+from remat.solvers.synthetic import random_joint
 from remat.solvers.heuristics import (
     _drop_saves,
     _new_recomputes,
@@ -51,6 +53,32 @@ def test_descend_stops_only_where_no_single_flip_lowers_the_peak(problem):
     for i in plan.saved | plan.recomputed:
         if i in movable and problem.storage[i] in live and problem.nodes[i].recomputable:
             assert evaluate(problem, plan.saved ^ {i}, solver="t").peak >= plan.peak
+
+
+def _stuck_where_no_flip_lowers_the_peak(problem, plan):
+    """The descent by peak alone: stops at the first plan no single flip lowers."""
+    movable = savable(problem)
+    while True:
+        live = plan.timeline.live_at_peak
+        flips = [
+            i
+            for i in sorted(plan.saved | plan.recomputed)
+            if i in movable and problem.storage[i] in live and problem.nodes[i].recomputable
+        ]
+        trials = [evaluate(problem, plan.saved ^ {i}, solver="t") for i in flips]
+        best = min(trials, key=lambda t: t.peak, default=plan)
+        if best.peak >= plan.peak:
+            return plan
+        plan = best
+
+
+def test_descend_crosses_a_plateau_where_no_single_flip_lowers_the_peak():
+    """Two steps at the same peak: lowering either alone leaves the peak where it is, so
+    a descent by peak alone stops; lowering the memory summed over the steps gets past."""
+    problem = random_joint(30, 2)
+    start = evaluate(problem, without_free_views(problem, store_all(problem).saved), solver="t")
+    stuck = _stuck_where_no_flip_lowers_the_peak(problem, start)
+    assert descend(problem, start, -1).peak < stuck.peak
 
 
 def _chain_read_through_views(layers: int = 6, size: int = 1000) -> Problem:
