@@ -8,8 +8,6 @@ from hypothesis import strategies as st
 from test_properties import any_problem
 
 from remat.solvers import Node, Problem, evaluate, store_all
-from remat.solvers.problem import without_free_views
-from remat.solvers.synthetic import random_joint
 from remat.solvers.heuristics import (
     _drop_saves,
     _new_recomputes,
@@ -18,6 +16,8 @@ from remat.solvers.heuristics import (
     greedy,
     savable,
 )
+from remat.solvers.problem import without_free_views
+from remat.solvers.synthetic import random_joint
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
