@@ -1,7 +1,7 @@
 """Solvers side by side on large joint graphs: solve time, recompute cost, bound and gap.
 
     python benchmarks/solver_bench.py --sizes 500,2000,10000 --gpt-layers 12 \\
-        --budgets 0.7,0.5,0.3 --solvers greedy,cpsat --time-limit 10 --json out/solvers.json
+        --budgets 0.7,0.5,0.3 --solvers greedy,cpsat --json out/solvers.json
 
 Graphs: ``synthetic.layered`` transformer stacks of about ``--sizes`` nodes each, and
 (unless ``--gpt-layers 0``) the traced joint graph of the built-in ``gpt`` example with
@@ -63,7 +63,7 @@ def graphs(sizes: list[int], gpt_layers: int, gpt_sizes: dict) -> list[tuple[str
     return out
 
 
-def solver(name: str, time_limit: float):
+def solver(name: str, time_limit: float | None):
     """A name ``solve`` accepts, or for cpsat a callable carrying the time limit."""
     if name == "cpsat":
         return functools.partial(cpsat, time_limit=time_limit)
@@ -108,7 +108,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default="0.7,0.5,0.3", help="fractions of store-all")
     parser.add_argument("--solvers", default="greedy,cpsat")
     parser.add_argument(
-        "--time-limit", type=float, default=10.0, help="cpsat, in its deterministic seconds"
+        "--time-limit",
+        type=float,
+        default=None,
+        help="cpsat, in its deterministic seconds (default: cpsat's own, "
+        "default_time_limit: 2, or nodes / 2,000 beyond 4,000 nodes)",
     )
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--json", type=Path)

@@ -29,8 +29,9 @@ starts from (also polished). ``bound`` is the best proven bound of either phase,
 
 Deterministic: one seed, a limit in CP-SAT's *deterministic* time (a work count,
 the same on every machine) and, with several workers, interleaved search; so every
-rank of a distributed job gets the same plan. The default limit of 2 took 1-12 wall
-seconds on graphs of 500-2,000 nodes on our 2-core machines. Each solve also has a
+rank of a distributed job gets the same plan. The default limit (2 up to 4,000 nodes,
+``default_time_limit``) took 1-12 wall seconds on graphs of 500-2,000 nodes on our 2-core
+machines. Each solve also has a
 wall-clock guard of ``WALL_FACTOR`` times its limit against pathological models; only
 if it fires can two runs differ.
 """
@@ -72,11 +73,25 @@ MIN_EXACT = 0.1
 PROBES = 1
 
 
+# The default limit: DEFAULT_LIMIT deterministic seconds, or one per NODES_PER_LIMIT_SECOND
+# nodes where that is more (beyond 4,000 nodes). At 10,000 nodes a limit of 2 ended inside the
+# relaxation's presolve (about 2.5 deterministic s there) with no bound at all (gap 100%
+# after 30 wall s); 5 proved 0.3-0.4% (docs/solver-notes.md).
+DEFAULT_LIMIT = 2.0
+NODES_PER_LIMIT_SECOND = 2_000
+
+
+def default_time_limit(problem: Problem) -> float:
+    """CP-SAT's limit when none is given: 2 deterministic s, ``len / 2,000`` on graphs
+    beyond 4,000 nodes (10,000 nodes: 5)."""
+    return max(DEFAULT_LIMIT, len(problem) / NODES_PER_LIMIT_SECOND)
+
+
 def cpsat(
     problem: Problem,
     budget: int | None = None,
     *,
-    time_limit: float = 2.0,
+    time_limit: float | None = None,
     gap_limit: float = GAP_LIMIT,
     workers: int = 4,
     seed: int = 0,
@@ -86,9 +101,10 @@ def cpsat(
     """Minimum recompute cost under ``budget`` bytes, with a proven lower bound.
 
     ``time_limit`` is in CP-SAT deterministic seconds over all rounds (see the
-    module docstring). The search stops earlier once the plan is proven within
-    ``gap_limit`` of the optimum (``gap <= gap_limit``; 0 searches until optimal or out
-    of time): a 1% better plan is rarely worth more seconds of planning.
+    module docstring); by default ``default_time_limit(problem)``. The search stops
+    earlier once the plan is proven within ``gap_limit`` of the optimum (``gap <=
+    gap_limit``; 0 searches until optimal or out of time): a 1% better plan is rarely
+    worth more seconds of planning.
     ``workers`` subsolvers take turns in the exact rounds (interleaved search, so still
     deterministic; they overrun a limit by up to a batch); the relaxation runs on one.
     Without a budget, the lowest peak the greedy reaches is the budget. Raises
@@ -96,6 +112,8 @@ def cpsat(
     solver found a plan under in ``probes`` bisection steps between ``budget`` and the
     greedy's minimum (a retry at it succeeds: the solver is deterministic).
     """
+    if time_limit is None:
+        time_limit = default_time_limit(problem)
     if time_limit <= 0:
         raise ValueError(f"time_limit must be positive, got {time_limit}")
     if workers < 1:

@@ -49,10 +49,10 @@ from remat.solvers import (
     solve,
     store_all,
 )
-from remat.solvers.cpsat import cpsat
+from remat.solvers.cpsat import cpsat, default_time_limit
 from remat.solvers.heuristics import savable
 from remat.solvers.relaxation import COST_RESOLUTION, Relaxation, without_free_views
-from remat.solvers.synthetic import chain, random_joint
+from remat.solvers.synthetic import chain, layered, random_joint
 
 FILTERING = dict(
     SETTINGS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
@@ -554,3 +554,9 @@ def test_refusal_names_a_budget_below_the_greedys_minimum():
     with pytest.raises(InfeasibleBudget) as refusal:
         cpsat(problem, budget, probes=0)
     assert refusal.value.minimum == greedy_minimum
+
+
+def test_the_default_time_limit_grows_with_the_graph_beyond_4000_nodes():
+    """At 10,000 nodes a limit of 2 ends inside CP-SAT's presolve, with no bound at all."""
+    assert default_time_limit(random_joint(60, 0)) == 2.0
+    assert default_time_limit(layered(227)) == len(layered(227)) / 2_000 > 4.9
