@@ -255,7 +255,8 @@ class _Search:
                     self.proven = True  # nothing is cheaper, and it fits
                     self.bound = max(self.bound, answer.recompute_cost)
                 return spent
-            self.offer(self.repair(answer), polished=True)
+            if not self.close_enough:  # else a repair could save under gap_limit
+                self.offer(self.repair(answer), polished=True)
             if self.close_enough:
                 return spent
             _tighten(relax, answer)
