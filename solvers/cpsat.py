@@ -31,9 +31,8 @@ Deterministic: one seed, a limit in CP-SAT's *deterministic* time (a work count,
 the same on every machine) and, with several workers, interleaved search; so every
 rank of a distributed job gets the same plan. The default limit (2 up to 4,000 nodes,
 ``default_time_limit``) took 1-12 wall seconds on graphs of 500-2,000 nodes on our 2-core
-machines. Each solve also has a
-wall-clock guard of ``WALL_FACTOR`` times its limit against pathological models; only
-if it fires can two runs differ.
+machines. Each solve also has a wall-clock guard of ``WALL_FACTOR`` times its limit
+against pathological models; only if it fires can two runs differ.
 """
 
 from __future__ import annotations
@@ -295,8 +294,8 @@ def _nothing_to_point_at(status, answer: Plan | None, budget: int) -> bool:
 def _lowest_fitting(refused: int, fitting: int, solve, probes: int) -> int:
     """Bisect between a refused budget and one a plan fits (the greedy's minimum, which
     CP-SAT may undercut: on the 4-layer gpt its minimum is 30.6% of store-all and CP-SAT
-    fits 29.8%) with ``probes`` calls of ``solve(budget)``: the lowest
-    budget found to fit."""
+    fits 29.8%) with ``probes`` calls of ``solve(budget)``: the lowest budget found to
+    fit."""
     for _ in range(probes):
         middle = (refused + fitting) // 2
         if middle <= refused:
