@@ -137,14 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the factory's default (CPU for the built-ins)",
     )
     model.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default 0)")
-    model.add_argument(
+    model.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    # Not part of ``model``: ``bench`` takes a list instead. (Overriding it there with
+    # conflict_handler="resolve" stripped the option from the shared action, and every
+    # command created after ``bench`` refused --cost-model.)
+    cost_model = _Parser(add_help=False)
+    cost_model.add_argument(
         "--cost-model",
         choices=COST_MODELS,
         default="roofline",
         help="per-op time: roofline estimate from flops and bytes (default) or measured by "
         "running each op on the device (slower to plan)",
     )
-    model.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     solver = _Parser(add_help=False)
     solver.add_argument(
         "--solver",
@@ -165,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     inspect = sub.add_parser(
         "inspect",
-        parents=[model],
+        parents=[model, cost_model],
         help="table of the joint forward+backward graph: op, shape, bytes, time",
         description="Trace MODEL's training step and print one row per value of the joint "
         "graph remat plans (parameters and inputs are resident and not listed).",
@@ -194,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        parents=[model, solver, limit],
+        parents=[model, cost_model, solver, limit],
         help="what remat saves and recomputes under a budget, and the predicted peak",
         description="Trace MODEL's training step, plan it under --budget and print the plan "
         "of every graph, without training.",
@@ -211,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        parents=[model, solver, limit],
+        parents=[model, cost_model, solver, limit],
         help="train a few steps with remat and eagerly; compare memory, time, losses",
         description="Train MODEL for --steps SGD steps with remat.optimize under --budget and "
         "eagerly (a copy of the same model), then measure one forward+backward of each and "
@@ -273,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[model, output],
-        conflict_handler="resolve",  # its --cost-model takes a list
         help="measure eager, checkpoint per block, torch's min-cut partitioner and remat",
         description="Measure one training step (forward+backward) of MODEL: eager, "
         "torch.utils.checkpoint around each of model.blocks, torch's "
@@ -311,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pareto = sub.add_parser(
         "pareto",
-        parents=[model, solver, output],
+        parents=[model, cost_model, solver, output],
         help="remat's measured memory/time frontier, from store-all down to its minimum",
         description="Trace MODEL once, find remat's store-all peak and the smallest peak it "
         "can reach, then measure remat at --points budgets evenly spaced between them (and "

@@ -273,3 +273,17 @@ def test_help_and_version_in_process(capsys):
     assert code == 0 and "--budget" in out and "--compiler" in out
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.startswith("remat ")
+
+
+@pytest.mark.parametrize("command", ["inspect", "plan", "train", "pareto"])
+def test_every_command_takes_one_cost_model_and_bench_a_list(command):
+    """``bench``'s list-valued --cost-model once stripped the option from the shared one:
+    the commands after it refused --cost-model and listed it as a positional."""
+    from remat.cli import build_parser
+
+    parser = build_parser()
+    argv = [command, "mlp", *(["--budget", "50%"] if command == "plan" else [])]
+    assert parser.parse_args([*argv, "--cost-model", "profile"]).cost_model == "profile"
+    assert parser.parse_args(argv).cost_model == "roofline"
+    bench = parser.parse_args(["bench", "mlp", "--cost-model", "roofline,profile"])
+    assert bench.cost_model == ["roofline", "profile"]
