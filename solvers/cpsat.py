@@ -138,9 +138,8 @@ def cpsat(
     #    its work is charged EXACT_WEIGHT-fold unless no plan fits yet.
     weight = EXACT_WEIGHT if search.best is not None else 1.0
     exact_seconds = (time_limit - used) / weight
-    done = search.proven or search.close_enough  # (building the model alone: 2.7 s at 10k)
-    if not done and (exact_seconds >= MIN_EXACT or search.best is None):
-        search.exact_rounds(Relaxation(problem, budget), exact_seconds)
+    if exact_seconds >= MIN_EXACT or search.best is None:
+        search.exact_rounds(exact_seconds)
     best = search.best
     if best is not None and not search.proven and not search.polished:
         best = fill(problem, best, budget)
@@ -261,9 +260,13 @@ class _Search:
             _tighten(relax, answer)
         return spent
 
-    def exact_rounds(self, relax: Relaxation, seconds: float) -> None:
-        """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat."""
+    def exact_rounds(self, seconds: float) -> None:
+        """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat.
+        The model is built only if a round runs (building it alone: 2.7 s at 10k nodes)."""
+        relax = None
         while seconds > 0.01 and not self.proven and not self.close_enough:
+            if relax is None:
+                relax = Relaxation(self.problem, self.budget)
             status, answer, used = self.solve(relax, seconds, self.gap_limit)
             seconds -= used
             if status == cp_model.INFEASIBLE:
