@@ -38,15 +38,18 @@ against pathological models; only if it fires can two runs differ.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 from ortools.sat.python import cp_model
 
 from .budget import InfeasibleBudget
 from .heuristics import descend, fill, greedy
-from .plan import Plan, evaluate
+from .plan import Plan, evaluate, format_bytes
 from .problem import Problem
 from .relaxation import Relaxation
+
+logger = logging.getLogger(__name__)
 
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
 BOUND_SHARE = 0.75  # of the time limit, at most, for the relaxation while no plan fits
@@ -149,6 +152,18 @@ def cpsat(
             cpsat, problem, time_limit=time_limit, gap_limit=gap_limit, workers=workers,
             seed=seed, log=log, probes=0,
         )  # fmt: skip
+        if probes:  # the probes take as long as the solve did, or longer: say so
+            logger.info(
+                "remat %s: no plan fits %s (%s CP-SAT in %.1fs); %d more solve%s toward the "
+                "greedy's lowest peak %s, to name the lowest budget that fits",
+                problem.name or "graph",
+                format_bytes(budget),
+                "proven by" if search.proven else "none found by",
+                time.perf_counter() - start,
+                probes,
+                "s" if probes > 1 else "",
+                format_bytes(r.minimum),
+            )
         minimum = _lowest_fitting(budget, r.minimum, retry, probes)
         raise InfeasibleBudget(r.budget, minimum, r.store_all, problem.name, search.proven)
     bound = min(search.bound, best.recompute_cost)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import subprocess
 import sys
@@ -540,20 +541,24 @@ def test_refusal_says_when_it_is_proven():
     assert refusal.value.minimum == greedy(problem).peak
 
 
-def test_refusal_names_a_budget_below_the_greedys_minimum():
+def test_refusal_names_a_budget_below_the_greedys_minimum(caplog):
     """The greedy's minimum only bounds the true one from above: a refusal spends one
-    solve halfway down from it and names the lowest budget a plan was found under."""
+    solve halfway down from it (saying so first: it takes as long as the first solve)
+    and names the lowest budget a plan was found under."""
     problem = random_joint(30, 16)
     greedy_minimum = greedy(problem).peak
     lowest = cpsat(problem, greedy_minimum - 1).peak  # CP-SAT undercuts the greedy here
     budget = 2 * lowest - greedy_minimum  # so that the bisection's middle is ``lowest``
-    with pytest.raises(InfeasibleBudget) as refusal:
+    with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(InfeasibleBudget) as refusal:
         cpsat(problem, budget)
     assert refusal.value.minimum == lowest < greedy_minimum
     assert str(lowest) in str(refusal.value)
-    with pytest.raises(InfeasibleBudget) as refusal:
+    assert [r.getMessage() for r in caplog.records if "1 more solve toward" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(InfeasibleBudget) as refusal:
         cpsat(problem, budget, probes=0)
     assert refusal.value.minimum == greedy_minimum
+    assert not caplog.records
 
 
 def test_the_default_time_limit_grows_with_the_graph_beyond_4000_nodes():
