@@ -158,11 +158,25 @@ def is_replay_state(node: fx.Node) -> bool:
 
 
 def restore_in_backward(backward: fx.GraphModule) -> int:
-    """Recomputed dropouts (the backward's copies) replay from their saved state."""
+    """Recomputed dropouts (the backward's copies) replay from their saved state.
+
+    A state is never recomputed (the plan saves it), yet torch's extractor copies
+    ``rng_state`` into the backward whenever its anchor is available there, and its
+    dead-code pass keeps the copy (a random op counts as impure): those are dropped.
+    Seen with inductor lowering random ops to eager's generator (``fallback_random``).
+    """
+    graph = backward.graph
+    stale = [
+        n
+        for n in graph.find_nodes(op="call_function", target=torch.ops.remat.rng_state.default)
+        if not n.users
+    ]
+    for node in stale:
+        graph.erase_node(node)
     target = torch.ops.remat.dropout_mask.default
-    nodes = list(backward.graph.find_nodes(op="call_function", target=target))
+    nodes = list(graph.find_nodes(op="call_function", target=target))
     for node in nodes:
         node.update_arg(3, True)
-    if nodes:
+    if nodes or stale:
         backward.recompile()
     return len(nodes)

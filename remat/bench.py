@@ -10,7 +10,8 @@ configuration and measures one training step (forward + backward) of each, in on
   ``min_cut_rematerialization_partition``, with ``torch._functorch.config.
   activation_memory_budget`` set to each budget while it compiles (with
   ``compiler="eager"`` the partitioned programs run as plain fx, like remat's; with
-  ``"inductor"`` it is the stock inductor pipeline);
+  ``"inductor"`` it is the stock inductor pipeline, random ops lowered to eager's
+  generator so that their gradients compare with eager's, as remat's rows below);
 - ``remat``: ``remat.optimize(model, budget, solver=..., compiler=..., cost_model=...)`` for
   each budget, solver and cost model. A budget below remat's minimum is a row carrying the
   ``InfeasibleBudget`` message.
@@ -385,7 +386,9 @@ def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
 
 class _compile_context:
     """torch's budget is read while partitioning, at the first call; caches stay off so a
-    cached partition from another budget is never reused."""
+    cached partition from another budget is never reused. Inductor lowers random ops to
+    eager's generator (``fallback_random``): with its own RNG the masks differ from
+    eager's, and every inductor row of a model with dropout compared as wrong."""
 
     def __init__(self, row: Row) -> None:
         self.row = row
@@ -397,7 +400,7 @@ class _compile_context:
 
         patches = [
             functorch_config.patch(enable_autograd_cache=False),
-            inductor_config.patch(fx_graph_cache=False),
+            inductor_config.patch(fx_graph_cache=False, fallback_random=True),
         ]
         if self.row.method == "torch":
             patches.append(functorch_config.patch(activation_memory_budget=float(self.row.budget)))

@@ -206,6 +206,21 @@ def test_bench_flags_wrong_gradients_of_recomputed_dropout():
     assert "WRONG" in table and "= eager" in table
 
 
+@pytest.mark.slow
+def test_bench_compares_inductor_gradients_with_eagers_on_dropout():
+    """Inductor draws dropout masks from its own RNG, so every inductor row of a model
+    with dropout compared as WRONG; the bench lowers random ops to eager's generator.
+    remat's rewrite then met dropout in the joint graph under inductor, and failed on the
+    generator states torch's extractor copied into the backward."""
+    size = dict(layers=1, d_model=32, heads=2, seq=32, batch=2, vocab=64, dropout=0.1)
+    rows = run_bench(
+        "gpt", [1.0], methods=("eager", "torch", "remat"), compiler="inductor",
+        solvers=("greedy",), repeat=1, size_kwargs=size,
+    )  # fmt: skip
+    assert [r.error for r in rows] == [None] * 3, rows
+    assert all(r.grad_error is not None and r.grads_ok for r in rows), rows
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
