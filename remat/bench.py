@@ -37,6 +37,7 @@ that median (the table's ``+-``): on a shared machine, differences below it are 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import random
@@ -129,6 +130,7 @@ class _Config:
     params: nn.Module | None = None  # whose gradients are reset between steps
     inputs: tuple = ()
     report: Any = None  # remat's backend, for its plans
+    solver: Any = None  # remat: what ``remat.optimize`` gets (``row.solver`` names it)
 
     @property
     def ok(self) -> bool:
@@ -150,6 +152,7 @@ def run_bench(
     methods: Iterable[str] = METHODS,
     threads: int | None = 1,
     cost_model: str | Sequence[str] = "roofline",
+    time_limit: float | None = None,
     progress: Progress | None = None,
 ) -> list[Row]:
     """Measure every configuration of ``methods`` on ``model_spec`` (see the module doc).
@@ -158,7 +161,9 @@ def run_bench(
     absolute bytes as ints, and rejects 0 with an error row). ``threads`` sets
     ``torch.set_num_threads`` on CPU for the run (``None``: leave it). Rows come in the order
     eager, checkpoint, torch by budget, remat by cost model, solver, then budget (one
-    ``cost_model`` name or several: each plans its own remat rows). ``device`` is passed
+    ``cost_model`` name or several: each plans its own remat rows). ``time_limit``: CP-SAT's
+    limit (deterministic seconds) for the ``auto`` and ``cpsat`` rows, else its default.
+    ``device`` is passed
     to the factory as ``device=...``; ``None`` passes nothing and measures where the
     factory's model lives.
     """
@@ -174,6 +179,8 @@ def run_bench(
     bad = [c for c in cost_models if c not in COST_MODELS]
     if bad or not cost_models:
         raise ValueError(f"cost models must be some of {list(COST_MODELS)}, got {cost_model!r}")
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     for b in budgets:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0:
             raise ValueError(f"budgets must be numbers >= 0 (fractions or bytes), got {b!r}")
@@ -184,7 +191,7 @@ def run_bench(
     else:  # the factory's default device (a factory need not take ``device``)
         dev = _device_of(examples.load(model_spec, **kwargs)[0])
 
-    configs = _configs(methods, budgets, solvers, compiler, cost_models)
+    configs = _configs(methods, budgets, solvers, compiler, cost_models, time_limit)
     reference = _eager_gradients(model_spec, kwargs)
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
@@ -245,7 +252,9 @@ def _round_order(configs: list[_Config], round_index: int) -> list[_Config]:
     return order
 
 
-def _configs(methods, budgets, solvers, compiler, cost_models=("roofline",)) -> list[_Config]:
+def _configs(
+    methods, budgets, solvers, compiler, cost_models=("roofline",), time_limit=None
+) -> list[_Config]:
     out = []
     if "eager" in methods:
         out.append(_Config(Row("eager")))
@@ -259,8 +268,17 @@ def _configs(methods, budgets, solvers, compiler, cost_models=("roofline",)) -> 
             for s in solvers:
                 for b in budgets:
                     row = Row("remat", budget=b, solver=s, cost_model=c, compiler=compiler)
-                    out.append(_Config(row))
+                    out.append(_Config(row, solver=_solver(s, time_limit)))
     return out
+
+
+def _solver(name: str, time_limit: float | None):
+    """The solver ``remat.optimize`` gets: the name, or CP-SAT carrying ``time_limit``."""
+    if time_limit is None or name not in ("auto", "cpsat"):
+        return name
+    from remat.solvers.cpsat import cpsat
+
+    return functools.partial(cpsat, time_limit=time_limit)
 
 
 def _prepare(cfg: _Config, spec, kwargs, dev, reference, say: Progress, tag: str) -> None:
@@ -292,7 +310,7 @@ def _prepare(cfg: _Config, spec, kwargs, dev, reference, say: Progress, tag: str
                 raise _Skip("remat budgets are fractions in (0, 1] or bytes, not 0")
             budget = float(row.budget) if 0 < row.budget <= 1 else int(row.budget)
             cfg.model = remat.optimize(
-                model, budget=budget, solver=row.solver, compiler=row.compiler,
+                model, budget=budget, solver=cfg.solver, compiler=row.compiler,
                 cost_model=row.cost_model,
             )  # fmt: skip
             cfg.report = cfg.model.remat

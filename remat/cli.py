@@ -161,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit",
         type=_number(float, lambda v: v > 0, "a positive number of seconds"),
         default=None,
-        help="CP-SAT's limit per graph, in its deterministic seconds (default 2, about 1-4 "
-        "wall seconds each; graphs beyond 4,000 nodes get nodes / 2,000); for --solver "
-        "auto and cpsat",
+        help="CP-SAT's limit per graph, in its deterministic seconds (default 2: 1-17 wall "
+        "seconds on graphs of 500-2,000 nodes on 2 cores; beyond 4,000 nodes, nodes / "
+        "2,000); for the solvers auto and cpsat",
     )
 
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        parents=[model, output],
+        parents=[model, output, limit],
         help="measure eager, checkpoint per block, torch's min-cut partitioner and remat",
         description="Measure one training step (forward+backward) of MODEL: eager, "
         "torch.utils.checkpoint around each of model.blocks, torch's "
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pareto = sub.add_parser(
         "pareto",
-        parents=[model, cost_model, solver, output],
+        parents=[model, cost_model, solver, output, limit],
         help="remat's measured memory/time frontier, from store-all down to its minimum",
         description="Trace MODEL once, find remat's store-all peak and the smallest peak it "
         "can reach, then measure remat at --points budgets evenly spaced between them (and "
@@ -503,13 +503,19 @@ def _load(args, progress: _Progress):
 
 def _solver(args):
     """The --solver name, or CP-SAT carrying --time-limit."""
+    _check_time_limit(args, [args.solver])
     if args.time_limit is None:
         return args.solver
-    if args.solver not in ("auto", "cpsat"):
-        raise UsageError(f"--time-limit applies to --solver auto or cpsat, not {args.solver}")
     from remat.solvers.cpsat import cpsat
 
     return functools.partial(cpsat, time_limit=args.time_limit)
+
+
+def _check_time_limit(args, solvers: list[str]) -> None:
+    """--time-limit is CP-SAT's: refused unless some solver named is auto or cpsat."""
+    if args.time_limit is not None and not {"auto", "cpsat"} & set(solvers):
+        names = ", ".join(solvers)
+        raise UsageError(f"--time-limit applies to the solvers auto and cpsat, not {names}")
 
 
 def _plan(args, model, inputs, budget, solver, progress: _Progress):
@@ -922,6 +928,7 @@ def _bench_meta(args, device: str, **extra) -> dict:
 def cmd_bench(args, progress: _Progress) -> int:
     from remat import bench
 
+    _check_time_limit(args, args.solvers)
     device, measured_on, size = _bench_setup(args, progress)
     rows = bench.run_bench(
         args.model,
@@ -933,6 +940,7 @@ def cmd_bench(args, progress: _Progress) -> int:
         size_kwargs=size,
         threads=args.threads or None,
         cost_model=args.cost_model,
+        time_limit=args.time_limit,
         progress=progress,
     )
     _bench_output(args, rows, _bench_meta(args, measured_on, budgets=args.budgets))
@@ -980,6 +988,7 @@ def _nearest_text(rows, torch_row) -> str:
 def cmd_pareto(args, progress: _Progress) -> int:
     from remat import bench
 
+    _check_time_limit(args, [args.solver])
     device, measured_on, size = _bench_setup(args, progress)
     progress(f"tracing {args.model} to find remat's store-all and minimum peaks...")
     budgets, info = bench.pareto_budgets(
@@ -1000,6 +1009,7 @@ def cmd_pareto(args, progress: _Progress) -> int:
         methods=("eager", "remat"),
         threads=args.threads or None,
         cost_model=args.cost_model,
+        time_limit=args.time_limit,
         progress=progress,
     )
     _bench_output(args, rows, _bench_meta(args, measured_on, points=args.points, **info))

@@ -275,6 +275,8 @@ def test_bench_cli_writes_json_and_csv(capsys, tmp_path):
         (["--compiler", "tvm"], ["--compiler"]),
         (["--cost-model", "roofline,guess"], ["unknown cost model(s) 'guess'"]),
         (["--size", "bogus=1"], ["bogus"]),
+        (["--time-limit", "0"], ["--time-limit", "positive"]),
+        (["--solvers", "greedy", "--time-limit", "1"], ["auto and cpsat, not greedy"]),
     ],
 )
 def test_bench_cli_usage_errors(capsys, argv, needles):
@@ -290,6 +292,35 @@ def test_bench_cli_unknown_model(capsys):
 def test_pareto_cli_usage_errors(capsys):
     code, _out, err = run(capsys, "pareto", *MLP, "-q", "--points", "1")
     assert_usage_error(code, err, "at least 2 points")
+    code, _out, err = run(capsys, "pareto", *MLP, "-q", "--solver", "greedy", "--time-limit", "1")
+    assert_usage_error(code, err, "auto and cpsat, not greedy")
+
+
+def test_time_limit_reaches_cpsat_in_every_command(capsys, monkeypatch):
+    """plan, train, bench and pareto take --time-limit; it is CP-SAT's, so only the rows
+    of solvers that run CP-SAT get it (bench with --solvers cpsat,greedy)."""
+    from remat.solvers import cpsat as module
+
+    limits, real = [], module.cpsat
+
+    def spy(problem, budget=None, **kwargs):
+        limits.append(kwargs.get("time_limit"))
+        return real(problem, budget, **kwargs)
+
+    monkeypatch.setattr(module, "cpsat", spy)
+    small = ["mlp", "--size", "layers=2", "--size", "width=16", "--size", "batch=8", "-q"]
+    fast = ["--repeat", "1", "--time-limit", "0.5"]
+    commands = [
+        ["plan", *small, "--budget", "0.95", "--time-limit", "0.5"],
+        ["train", *small, "--budget", "0.95", "--steps", "1", *fast],
+        ["bench", *small, "--budgets", "0.95", "--solvers", "cpsat,greedy", *fast],
+        ["pareto", *small, "--points", "2", "--solver", "cpsat", *fast],
+    ]
+    for argv in commands:
+        limits.clear()
+        code, _out, err = run(capsys, *argv)
+        assert code == 0, (argv, err)
+        assert limits and set(limits) == {0.5}, (argv, limits)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="has matplotlib")
