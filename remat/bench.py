@@ -386,7 +386,15 @@ class _Checkpointed(nn.Module):
 
 def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
     if compiler == "inductor":
-        return torch.compile(model, dynamic=False)  # inductor partitions with min-cut
+        from torch._inductor.compile_fx import compile_fx
+
+        # Inductor partitions with min-cut. A backend object of its own per configuration:
+        # with the shared "inductor" one dynamo reused the first budget's compiled step for
+        # every later budget (same code, guards passing), so all measured alike.
+        def inductor(gm, example_inputs):
+            return compile_fx(gm, example_inputs)
+
+        return torch.compile(model, backend=inductor, dynamic=False)
     from functools import partial
 
     from torch._dynamo.backends.common import aot_autograd

@@ -207,18 +207,30 @@ def test_bench_flags_wrong_gradients_of_recomputed_dropout():
 
 
 @pytest.mark.slow
-def test_bench_compares_inductor_gradients_with_eagers_on_dropout():
-    """Inductor draws dropout masks from its own RNG, so every inductor row of a model
-    with dropout compared as WRONG; the bench lowers random ops to eager's generator.
-    remat's rewrite then met dropout in the joint graph under inductor, and failed on the
-    generator states torch's extractor copied into the backward."""
+def test_bench_under_inductor_compiles_each_budget_and_checks_gradients(monkeypatch):
+    """Every torch budget is compiled (dynamo reused the first budget's step for all of
+    them with the shared "inductor" backend), and gradients compare with eager's on a
+    model with dropout: inductor draws masks from its own RNG, so every inductor row
+    compared as WRONG; the bench lowers random ops to eager's generator. remat's rewrite
+    then met dropout in the joint graph under inductor, and failed on the generator
+    states torch's extractor copied into the backward."""
+    from torch._inductor import compile_fx as module
+
+    compiled, real = [], module.compile_fx
+
+    def spy(gm, example_inputs, **kwargs):
+        compiled.append(gm)
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(module, "compile_fx", spy)
     size = dict(layers=1, d_model=32, heads=2, seq=32, batch=2, vocab=64, dropout=0.1)
     rows = run_bench(
-        "gpt", [1.0], methods=("eager", "torch", "remat"), compiler="inductor",
+        "gpt", [1.0, 0.8], methods=("eager", "torch", "remat"), compiler="inductor",
         solvers=("greedy",), repeat=1, size_kwargs=size,
     )  # fmt: skip
-    assert [r.error for r in rows] == [None] * 3, rows
+    assert [r.error for r in rows] == [None] * 5, rows
     assert all(r.grad_error is not None and r.grads_ok for r in rows), rows
+    assert len(compiled) == 4  # torch at 1 and 0.8, remat at 1 and 0.8
 
 
 # ----------------------------------------------------------------------------- CLI
