@@ -10,8 +10,7 @@ configuration and measures one training step (forward + backward) of each, in on
   ``min_cut_rematerialization_partition``, with ``torch._functorch.config.
   activation_memory_budget`` set to each budget while it compiles (with
   ``compiler="eager"`` the partitioned programs run as plain fx, like remat's; with
-  ``"inductor"`` it is the stock inductor pipeline, random ops lowered to eager's
-  generator so that their gradients compare with eager's, as remat's rows below);
+  ``"inductor"`` it is the stock inductor pipeline);
 - ``remat``: ``remat.optimize(model, budget, solver=..., compiler=..., cost_model=...)`` for
   each budget, solver and cost model. A budget below remat's minimum is a row carrying the
   ``InfeasibleBudget`` message.
@@ -26,7 +25,10 @@ allocator's counters on CUDA), gradients set to ``None`` first so allocating the
 The warm-up step runs from a fixed seed and its gradients are compared with eager's from the
 same seed (``grad_error``, the largest difference relative to eager's largest gradient):
 a partition that recomputes dropout with a fresh mask trains on wrong gradients, and such a
-point does not count as a point of the curve (``dominates``).
+point does not count as a point of the curve (``dominates``). Inductor draws random numbers
+its own way, so with ``compiler="inductor"`` on a random step (eager's gradients depend on
+the seed) torch's and remat's rows are compared with plain ``torch.compile``'s instead
+(``grad_reference``).
 Then ``repeat`` timed rounds, each running one step of every configuration in turn (the
 first round in table order, later ones shuffled with a fixed seed), so that drift of the
 machine hits all alike and no configuration always follows the same one; a row's
@@ -99,7 +101,8 @@ class Row:
     gap: float | None = None  # remat: solver's optimality gap (None: heuristic, no bound)
     status: str | None = None  # remat: plan status (optimal / feasible / heuristic)
     graphs: int | None = None
-    grad_error: float | None = None  # max |grad - eager's| / max |eager's grad|, same seed
+    grad_error: float | None = None  # max |grad - reference's| / max |reference's|, same seed
+    grad_reference: str | None = None  # "eager", or "torch.compile" (see ``_prepare``)
     error: str | None = None
     times: list[float] = field(default_factory=list, repr=False)
 
@@ -192,7 +195,10 @@ def run_bench(
         dev = _device_of(examples.load(model_spec, **kwargs)[0])
 
     configs = _configs(methods, budgets, solvers, compiler, cost_models, time_limit)
-    reference = _eager_gradients(model_spec, kwargs)
+    references = {"eager": _eager_gradients(model_spec, kwargs)}
+    if compiler == "inductor" and {"torch", "remat"} & set(methods):
+        if _is_random(model_spec, kwargs, references["eager"]):
+            references["torch.compile"] = _compiled_gradients(model_spec, kwargs)
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)
@@ -203,7 +209,7 @@ def run_bench(
         with torch._dynamo.config.patch(**limits):
             for k, cfg in enumerate(configs, 1):
                 tag = f"[{k}/{len(configs)}]"
-                _prepare(cfg, model_spec, kwargs, dev, reference, say, tag)
+                _prepare(cfg, model_spec, kwargs, dev, references, say, tag)
             live = [c for c in configs if c.ok]
             for r in range(repeat):
                 say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
@@ -281,9 +287,10 @@ def _solver(name: str, time_limit: float | None):
     return functools.partial(cpsat, time_limit=time_limit)
 
 
-def _prepare(cfg: _Config, spec, kwargs, dev, reference, say: Progress, tag: str) -> None:
-    """Build, compile (warm-up step, its gradients compared with eager's ``reference``) and
-    measure the peak of one configuration."""
+def _prepare(cfg: _Config, spec, kwargs, dev, references, say: Progress, tag: str) -> None:
+    """Build, compile (warm-up step, its gradients compared with a reference's: eager's, or
+    plain ``torch.compile``'s for compiled rows when there is one) and measure the peak of
+    one configuration."""
     row = cfg.row
     say(f"{tag} {row.label}: building and compiling...")
     try:
@@ -317,11 +324,13 @@ def _prepare(cfg: _Config, spec, kwargs, dev, reference, say: Progress, tag: str
 
         start = time.perf_counter()
         torch.manual_seed(GRAD_SEED)
-        with _compile_context(row):
+        with _compile_context(row.budget if row.method == "torch" else None):
             _step(cfg)
         _sync(dev)
         row.compile_s = time.perf_counter() - start
-        row.grad_error = _grad_error(_gradients(cfg.params), reference)
+        compiled = row.method in ("torch", "remat") and "torch.compile" in references
+        row.grad_reference = "torch.compile" if compiled else "eager"
+        row.grad_error = _grad_error(_gradients(cfg.params), references[row.grad_reference])
         _zero_grad(cfg)
         row.peak_bytes = memory.peak(_step, cfg, device=dev).peak_bytes
         _zero_grad(cfg)
@@ -411,13 +420,11 @@ def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
 
 
 class _compile_context:
-    """torch's budget is read while partitioning, at the first call; caches stay off so a
-    cached partition from another budget is never reused. Inductor lowers random ops to
-    eager's generator (``fallback_random``): with its own RNG the masks differ from
-    eager's, and every inductor row of a model with dropout compared as wrong."""
+    """torch's budget (``None``: its default) is read while partitioning, at the first
+    call; caches stay off so a cached partition from another budget is never reused."""
 
-    def __init__(self, row: Row) -> None:
-        self.row = row
+    def __init__(self, budget: float | None = None) -> None:
+        self.budget = budget
         self.stack: list = []
 
     def __enter__(self):
@@ -426,10 +433,10 @@ class _compile_context:
 
         patches = [
             functorch_config.patch(enable_autograd_cache=False),
-            inductor_config.patch(fx_graph_cache=False, fallback_random=True),
+            inductor_config.patch(fx_graph_cache=False),
         ]
-        if self.row.method == "torch":
-            patches.append(functorch_config.patch(activation_memory_budget=float(self.row.budget)))
+        if self.budget is not None:
+            patches.append(functorch_config.patch(activation_memory_budget=float(self.budget)))
         for p in patches:
             p.__enter__()
             self.stack.append(p)
@@ -450,6 +457,28 @@ def _eager_gradients(spec, kwargs) -> list[torch.Tensor]:
     model, inputs = examples.load(spec, **kwargs)
     torch.manual_seed(GRAD_SEED)
     model(*inputs).backward()
+    return _gradients(model)
+
+
+def _is_random(spec, kwargs, reference: list[torch.Tensor]) -> bool:
+    """Whether the step's gradients depend on the seed (dropout, other random ops)."""
+    model, inputs = examples.load(spec, **kwargs)
+    torch.manual_seed(GRAD_SEED + 1)
+    model(*inputs).backward()
+    error = _grad_error(_gradients(model), reference)
+    return error is not None and error > GRAD_TOLERANCE
+
+
+def _compiled_gradients(spec, kwargs) -> list[torch.Tensor]:
+    """Plain ``torch.compile``'s (inductor) gradients of one step from ``GRAD_SEED``: the
+    reference of inductor rows when the step is random. Inductor draws random numbers its
+    own way (seeded, so a recompute replays them), so no inductor row can match eager's
+    masks; torch's and remat's partitions must match this instead."""
+    model, inputs = examples.load(spec, **kwargs)
+    compiled = _torch_compiled(model, "inductor")
+    torch.manual_seed(GRAD_SEED)
+    with _compile_context():
+        compiled(*inputs).backward()
     return _gradients(model)
 
 
@@ -680,7 +709,9 @@ def _solver_text(row: Row) -> str:
 def _grads_text(row: Row) -> str:
     if row.grad_error is None:
         return ""
-    return "= eager" if row.grads_ok else f"WRONG ({row.grad_error:.1e})"
+    if not row.grads_ok:
+        return f"WRONG ({row.grad_error:.1e})"
+    return f"= {row.grad_reference or 'eager'}"
 
 
 def _note(error: str | None) -> str:

@@ -948,7 +948,8 @@ def cmd_bench(args, progress: _Progress) -> int:
     if wrong:
         print()
         print(
-            f"gradients differ from eager's (same seed), not counted as points: {', '.join(wrong)}"
+            "gradients differ from the reference's (the grads column's, same seed), not "
+            f"counted as points: {', '.join(wrong)}"
         )
     verdicts = bench.dominates(rows)
     if verdicts:

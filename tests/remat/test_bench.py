@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import remat
 from remat import bench, cli, examples
 from remat.bench import Row, run_bench
 from remat.cli import main
@@ -209,11 +210,9 @@ def test_bench_flags_wrong_gradients_of_recomputed_dropout():
 @pytest.mark.slow
 def test_bench_under_inductor_compiles_each_budget_and_checks_gradients(monkeypatch):
     """Every torch budget is compiled (dynamo reused the first budget's step for all of
-    them with the shared "inductor" backend), and gradients compare with eager's on a
-    model with dropout: inductor draws masks from its own RNG, so every inductor row
-    compared as WRONG; the bench lowers random ops to eager's generator. remat's rewrite
-    then met dropout in the joint graph under inductor, and failed on the generator
-    states torch's extractor copied into the backward."""
+    them with the shared "inductor" backend), and on a model with dropout the compiled
+    rows are checked against plain torch.compile's gradients: inductor draws its own
+    masks, so against eager's every row compared as WRONG."""
     from torch._inductor import compile_fx as module
 
     compiled, real = [], module.compile_fx
@@ -230,7 +229,27 @@ def test_bench_under_inductor_compiles_each_budget_and_checks_gradients(monkeypa
     )  # fmt: skip
     assert [r.error for r in rows] == [None] * 5, rows
     assert all(r.grad_error is not None and r.grads_ok for r in rows), rows
-    assert len(compiled) == 4  # torch at 1 and 0.8, remat at 1 and 0.8
+    assert [r.grad_reference for r in rows] == ["eager"] + ["torch.compile"] * 4
+    assert len(compiled) == 5  # the reference, torch at 1 and 0.8, remat at 1 and 0.8
+
+
+@pytest.mark.slow
+def test_remat_with_inductor_drawing_from_eagers_generator_matches_eager():
+    """With ``fallback_random`` dropout reaches remat's partitioner under inductor: the
+    rewrite failed on generator states torch's extractor copied into the backward."""
+    from torch._inductor import config
+
+    size = dict(layers=1, d_model=32, heads=2, seq=32, batch=2, vocab=64, dropout=0.1)
+    model, inputs = examples.load("gpt", **size)
+    reference, _ = examples.load("gpt", **size)
+    optimized = remat.optimize(model, budget=0.8, compiler="inductor", solver="greedy")
+    with config.patch(fallback_random=True):
+        torch.manual_seed(0)
+        optimized(*inputs).backward()
+    torch.manual_seed(0)
+    reference(*inputs).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- CLI
