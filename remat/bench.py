@@ -166,9 +166,8 @@ def run_bench(
     eager, checkpoint, torch by budget, remat by cost model, solver, then budget (one
     ``cost_model`` name or several: each plans its own remat rows). ``time_limit``: CP-SAT's
     limit (deterministic seconds) for the ``auto`` and ``cpsat`` rows, else its default.
-    ``device`` is passed
-    to the factory as ``device=...``; ``None`` passes nothing and measures where the
-    factory's model lives.
+    ``device`` is passed to the factory as ``device=...``; ``None`` passes nothing and
+    measures where the factory's model lives.
     """
     methods = tuple(methods)
     unknown = sorted(set(methods) - set(METHODS))
@@ -198,6 +197,7 @@ def run_bench(
     references = {"eager": _eager_gradients(model_spec, kwargs)}
     if compiler == "inductor" and {"torch", "remat"} & set(methods):
         if _is_random(model_spec, kwargs, references["eager"]):
+            say("the step is random: one plain torch.compile step, the inductor rows' reference")
             references["torch.compile"] = _compiled_gradients(model_spec, kwargs)
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
@@ -404,8 +404,6 @@ def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
             return compile_fx(gm, example_inputs)
 
         return torch.compile(model, backend=inductor, dynamic=False)
-    from functools import partial
-
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -414,7 +412,7 @@ def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,
         # compiler="inductor" picks the set of ops min-cut may recompute (its default).
-        partition_fn=partial(min_cut_rematerialization_partition, compiler="inductor"),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
     )
     return torch.compile(model, backend=backend, dynamic=False)
 
