@@ -196,7 +196,7 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
             plan = min(better, key=lambda t: (_area(t), t.recompute_cost))
             flat += 1
         else:
-            return stuck  # the plateau moves led nowhere: the same peak, cheaper
+            return stuck  # the plateau moves led nowhere: back to where they began
     return plan
 
 
