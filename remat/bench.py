@@ -57,6 +57,7 @@ from torch import nn
 from remat import examples, memory
 from remat.planner import COST_MODELS
 from remat.solvers import InfeasibleBudget, format_bytes
+from remat.solvers.solve import with_time_limit
 
 __all__ = [
     "METHODS",
@@ -274,17 +275,8 @@ def _configs(
             for s in solvers:
                 for b in budgets:
                     row = Row("remat", budget=b, solver=s, cost_model=c, compiler=compiler)
-                    out.append(_Config(row, solver=_solver(s, time_limit)))
+                    out.append(_Config(row, solver=with_time_limit(s, time_limit)))
     return out
-
-
-def _solver(name: str, time_limit: float | None):
-    """The solver ``remat.optimize`` gets: the name, or CP-SAT carrying ``time_limit``."""
-    if time_limit is None or name not in ("auto", "cpsat"):
-        return name
-    from remat.solvers.cpsat import cpsat
-
-    return functools.partial(cpsat, time_limit=time_limit)
 
 
 def _prepare(cfg: _Config, spec, kwargs, dev, references, say: Progress, tag: str) -> None:
@@ -450,20 +442,18 @@ def _step(cfg: _Config) -> None:
     loss.backward()
 
 
-def _eager_gradients(spec, kwargs) -> list[torch.Tensor]:
-    """Eager's gradients of one step from ``GRAD_SEED``: what every configuration must get."""
+def _eager_gradients(spec, kwargs, seed: int = GRAD_SEED) -> list[torch.Tensor]:
+    """Eager's gradients of one step from ``seed``; from ``GRAD_SEED``, what every
+    configuration must get."""
     model, inputs = examples.load(spec, **kwargs)
-    torch.manual_seed(GRAD_SEED)
+    torch.manual_seed(seed)
     model(*inputs).backward()
     return _gradients(model)
 
 
 def _is_random(spec, kwargs, reference: list[torch.Tensor]) -> bool:
     """Whether the step's gradients depend on the seed (dropout, other random ops)."""
-    model, inputs = examples.load(spec, **kwargs)
-    torch.manual_seed(GRAD_SEED + 1)
-    model(*inputs).backward()
-    error = _grad_error(_gradients(model), reference)
+    error = _grad_error(_eager_gradients(spec, kwargs, GRAD_SEED + 1), reference)
     return error is not None and error > GRAD_TOLERANCE
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import logging
 import math
 import sys
@@ -29,6 +28,7 @@ from tabulate import tabulate
 
 from remat.planner import COST_MODELS
 from remat.solvers import SOLVERS, InfeasibleBudget, format_bytes, parse_budget
+from remat.solvers.solve import CPSAT_SOLVERS, with_time_limit
 
 __all__ = ["main"]
 
@@ -504,16 +504,12 @@ def _load(args, progress: _Progress):
 def _solver(args):
     """The --solver name, or CP-SAT carrying --time-limit."""
     _check_time_limit(args, [args.solver])
-    if args.time_limit is None:
-        return args.solver
-    from remat.solvers.cpsat import cpsat
-
-    return functools.partial(cpsat, time_limit=args.time_limit)
+    return with_time_limit(args.solver, args.time_limit)
 
 
 def _check_time_limit(args, solvers: list[str]) -> None:
-    """--time-limit is CP-SAT's: refused unless some solver named is auto or cpsat."""
-    if args.time_limit is not None and not {"auto", "cpsat"} & set(solvers):
+    """--time-limit is CP-SAT's: refused unless some solver named runs it."""
+    if args.time_limit is not None and not set(CPSAT_SOLVERS) & set(solvers):
         names = ", ".join(solvers)
         raise UsageError(f"--time-limit applies to the solvers auto and cpsat, not {names}")
 

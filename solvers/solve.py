@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator
 
@@ -21,6 +22,8 @@ def auto(problem: Problem, budget: int | None = None) -> Plan:
     return cpsat(problem, budget)
 
 
+CPSAT_SOLVERS = ("auto", "cpsat")  # the names that run CP-SAT, so take its time limit
+
 SOLVERS: dict[str, Solver] = {
     "auto": auto,
     "cpsat": cpsat,
@@ -28,6 +31,16 @@ SOLVERS: dict[str, Solver] = {
     "store-all": store_all,
     "recompute-all": recompute_all,
 }
+
+
+def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
+    """``solver`` as ``solve`` takes it: the name, or for ``CPSAT_SOLVERS`` CP-SAT carrying
+    ``time_limit`` (deterministic seconds) when one is given."""
+    if time_limit is None or solver not in CPSAT_SOLVERS:
+        return solver
+    from . import cpsat as module  # the module's function, so tests can watch it
+
+    return functools.partial(module.cpsat, time_limit=time_limit)
 
 
 def solve(problem: Problem, budget: Budget, solver: str | Solver = "auto") -> Plan:
