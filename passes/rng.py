@@ -102,14 +102,26 @@ def _(state, x, p, restore):
 
 @torch.library.custom_op("remat::apply_dropout_mask", mutates_args=())
 def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``native_dropout``'s output from its mask: ``x * mask``, then ``* scale``. The bool
-    mask is promoted inside the multiply (no float copy of it): the same bits."""
+    """``native_dropout``'s output from its mask: ``x * mask``, then ``* scale`` (as
+    ``dropout_scale`` gives it: the same bits). The bool mask is promoted inside the
+    multiply (no float copy of it)."""
     return x.mul(mask).mul_(scale)
 
 
 @apply_dropout_mask.register_fake
 def _(x, mask, scale):
     return torch.empty_like(x)
+
+
+def dropout_scale(p: float, x: torch.Tensor) -> float:
+    """The factor ``native_dropout`` scales kept values by. On CPU it multiplies by the
+    mask scaled in ``x``'s dtype, so the factor is rounded to that dtype (in bfloat16,
+    under autocast, 1/0.9 is 1.109375: unrounded, a third of the outputs differed in
+    their last bit); CUDA's fused kernel scales in float."""
+    scale = 1.0 / (1.0 - p)
+    if x.device.type == "cpu":
+        return torch.tensor(scale, dtype=x.dtype).item()
+    return scale
 
 
 def replay_dropouts(joint: fx.GraphModule) -> int:
@@ -133,7 +145,7 @@ def replay_dropouts(joint: fx.GraphModule) -> int:
             state = graph.call_function(torch.ops.remat.rng_state.default, (x,))
             mask = graph.call_function(torch.ops.remat.dropout_mask.default, (state, x, p, False))
             out = graph.call_function(
-                torch.ops.remat.apply_dropout_mask.default, (x, mask, 1.0 / (1.0 - p))
+                torch.ops.remat.apply_dropout_mask.default, (x, mask, dropout_scale(p, val))
             )
         out_val, mask_val = node.meta["val"]
         with getattr(val, "fake_mode", None) or contextlib.nullcontext():

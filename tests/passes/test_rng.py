@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from remat import costs
-from remat.passes.rng import replay_dropouts, restore_in_backward
+from remat.passes.rng import dropout_scale, replay_dropouts, restore_in_backward
 
 aten = torch.ops.aten
 
@@ -35,16 +36,25 @@ def test_forward_draws_eagers_masks_and_advances_the_generator_alike():
     assert torch.equal(after, after_eager)
 
 
-def test_non_contiguous_input_draws_eagers_mask():
-    x = torch.randn(48, 64).t()
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 0.25, 0.77])
+def test_replay_gives_eagers_bits_in_every_float_dtype(dtype, p):
+    """Under autocast dropout runs in bfloat16: there the scale must be rounded as
+    ``native_dropout`` rounds it (a non-contiguous input, infinities, NaN, signed zeros)."""
+    x = torch.randn(48, 64).t().to(dtype)
+    x[0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0])
     torch.manual_seed(11)
-    out, mask = aten.native_dropout.default(x, 0.25, True)
+    out, mask = aten.native_dropout.default(x, p, True)
     torch.manual_seed(11)
     state = torch.ops.remat.rng_state(x)
-    got_mask = torch.ops.remat.dropout_mask(state, x, 0.25, False)
-    got = torch.ops.remat.apply_dropout_mask(x, got_mask, 1 / 0.75)
+    got_mask = torch.ops.remat.dropout_mask(state, x, p, False)
+    got = torch.ops.remat.apply_dropout_mask(x, got_mask, dropout_scale(p, x))
     assert torch.equal(got_mask, mask)
-    assert torch.equal(got.view(torch.int32), out.view(torch.int32))  # bits, signed zeros too
+    bits = BITS.get(dtype, torch.int16)
+    assert torch.equal(got.view(bits), out.view(bits))  # bits: NaN and signed zeros too
 
 
 def test_restored_replay_reproduces_the_mask_and_leaves_the_stream_alone():

@@ -125,6 +125,35 @@ def test_recomputed_dropout_replays_eagers_mask():
 
 
 @pytest.mark.slow
+def test_recomputed_dropout_under_bfloat16_autocast_keeps_eagers_bits():
+    """Under autocast dropout runs in bfloat16, where ``native_dropout`` rounds its scale
+    to the dtype: the forward's loss is eager's to the bit, and the gradients those of the
+    same joint graph compiled without planning (``aot_eager``), recomputed dropout and all
+    (eager's own backward differs from any compiled one in bfloat16 by about 1%)."""
+
+    def step(compile_with):
+        torch.manual_seed(0)
+        model, inputs = build("gpt", dropout=0.1)  # 1/0.9 is not a bfloat16
+        run = compile_with(model)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(*inputs)
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in model.named_parameters()}, run
+
+    eager_loss, _, _ = step(lambda m: m)
+    aot_loss, aot_grads, _ = step(lambda m: torch.compile(m, backend="aot_eager"))
+    loss, grads, optimized = step(lambda m: remat.optimize(m, budget=0.5))
+    graph = optimized.remat.report().graphs[0]
+    nodes = graph.extracted.problem.nodes
+    replays = {i for i, n in enumerate(nodes) if "dropout_mask" in n.op}
+    assert replays & graph.plan.recomputed, "a 50% budget should recompute dropout"
+    assert torch.equal(loss, eager_loss) and torch.equal(aot_loss, eager_loss)
+    for key, grad in aot_grads.items():
+        assert torch.equal(grads[key], grad), key
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "unet"])
 def test_measured_peak_keeps_the_budget_and_matches_prediction(name):
     measured = []
