@@ -97,7 +97,7 @@ class Relaxation:
         self.in_base = frozenset(self.base_order)
 
         m = self.model = cp_model.CpModel()
-        self.points: set[int] = set()  # core steps whose memory is exact (``add_point``)
+        self.points: set = set()  # core steps k and recomputes (k, x) made exact (``add_point``)
         self._early: dict = {}  # (node, k) -> its recompute is needed by core step k
         self._derived: list = []  # (var, values -> its value), in the order made: hints
         self._placed_lits: dict = {}  # (node, k, by) -> ``_placed``'s literal
@@ -300,7 +300,7 @@ class Relaxation:
 
         # each recompute's own step: its outputs, its inputs, saved storages read later;
         # and, if no consumer pulls it earlier, what the backward holds in its gap
-        across = self._across()
+        across = self.across = self._across()
         for v in sorted(self.r):
             node = nodes[v]
             if self.latest[v] is NEVER or not node.recomputable or node.alias_of is not None:
@@ -363,7 +363,7 @@ class Relaxation:
             demands.append(demand)
 
         lives = [*self.base_live, None]
-        for k, (across, live) in enumerate(zip(self._across(), lives, strict=True)):
+        for k, (across, live) in enumerate(zip(self.across, lives, strict=True)):
             add(k * K, n, None, None, across, f"gap{k}")
             if live is not None:
                 add(k * K + n, 1, None, None, live, f"core{k}")
@@ -410,34 +410,52 @@ class Relaxation:
             m.Add(self.gap[v] == need[op if op in need else v])
         return movable
 
-    def add_point(self, k: int) -> bool:
-        """The backward's memory during core step k, exactly: a cut every plan
-        satisfies, added where an answer overflowed (the prefix chains miss recomputes
-        pulled early by recomputed consumers, and saved values read late by
-        recomputes). Returns False if the point is already there."""
-        if k in self.points:
+    def add_point(self, k: int, x: int | None = None) -> bool:
+        """The backward's memory at one step, exactly: during core step k, or (``x``)
+        while the recompute x runs in the gap before core step k, in every plan that
+        places it there. A cut every plan satisfies, added where an answer overflowed
+        (the prefix chains miss recomputes pulled early by recomputed consumers, saved
+        values read late by recomputes, and what a gap holds while its recomputes run).
+        Returns False if the point is already there."""
+        key = k if x is None else (k, x)
+        if key in self.points:
             return False
-        self.points.add(k)
+        self.points.add(key)
         m, nodes, terms = self.model, self.problem.nodes, []
+        rank = None if x is None else self.problem.rank[x]
         for R in sorted(self.kept):
             if nodes[R].bytes:
-                live = self._live_at(R, k)
+                live = self._live_at(R, k, rank)
                 if live is not None:
                     terms.append(nodes[R].bytes * live)
-        if terms:  # (without, the chains already hold the backward's own bytes under it)
-            m.Add(sum(terms) <= self.budget - self.base_live[k])
+        if x is None:
+            if terms:  # (without, the chains already hold the backward's own bytes under it)
+                m.Add(sum(terms) <= self.budget - self.base_live[k])
+            return True
+        # x's own buffers and scratch, on what the backward alone holds in the gap
+        made = nodes[x].workspace + sum(size for _, size in self.problem.allocations[x])
+        here = [self._placed(x, k, by=True)]
+        if k > 0:
+            here.append(self._placed(x, k - 1, by=True).Not())
+        m.Add(sum(terms) <= self.budget - self.across[k] - made).OnlyEnforceIf(here)
         return True
 
-    def _live_at(self, R: int, k: int):
+    def _live_at(self, R: int, k: int, rank: int | None = None):
         """A literal true in every plan where forward storage R is live during core step
         k (or None if it never is): made by then (saved, or its op recomputed in a gap
-        <= k) and touched later (a core reader at >= k, or a recompute in a gap > k)."""
-        m, nodes = self.model, self.problem.nodes
+        <= k) and touched later (a core reader at >= k, or a recompute in a gap > k).
+        With ``rank``: while the recompute of that rank runs in the gap before core step
+        k instead, where "by then" and "later" split that gap by rank (``schedule`` runs
+        each gap in rank order)."""
+        m, nodes, ranks = self.model, self.problem.nodes, self.problem.rank
         op = nodes[R].output_of
         maker = op if op is not None else R
         made = [self.kept[R]]
         if maker in self._movable:
-            made.append(self._placed(maker, k, by=True))
+            if rank is None or ranks[maker] < rank:
+                made.append(self._placed(maker, k, by=True))
+            elif k > 0:  # in an earlier gap
+                made.append(self._placed(maker, k - 1, by=True))
         if self.use.get(R, (0, -1))[1] >= k:
             later = None  # a core step at or after k reads it
         else:
@@ -445,20 +463,28 @@ class Relaxation:
             touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
             if op is not None:
                 touchers.add(op)  # re-running its op rewrites R
-            later_lits = [
-                self._placed(u, k, by=False) for u in sorted(touchers) if u in self._movable
-            ]
+            later_lits = [self._after(u, k, rank) for u in sorted(touchers) if u in self._movable]
             if not later_lits:
                 return None
-            later = m.NewBoolVar(f"later{R}_{k}")
+            later = m.NewBoolVar(f"later{R}_{k}_{rank}")
             for lit in later_lits:
                 m.Add(later >= lit)
             self._derive(later, lambda x: max(x[lit] for lit in later_lits))
-        live = m.NewBoolVar(f"live{R}_{k}")
+        live = m.NewBoolVar(f"live{R}_{k}_{rank}")
         for lit in made:
             m.Add(live >= lit if later is None else live >= lit + later - 1)
         self._derive(live, lambda x: max(x[lit] for lit in made) and (later is None or x[later]))
         return live
+
+    def _after(self, u: int, k: int, rank: int | None):
+        """A literal: u is recomputed and runs after core step k (``rank`` None), or
+        after the recompute of that rank in the gap before core step k (u itself too:
+        it reads its inputs then)."""
+        if rank is None or self.problem.rank[u] < rank:
+            return self._placed(u, k, by=False)
+        if k == 0:
+            return self.r[u]  # every gap is at or after the first
+        return self._placed(u, k - 1, by=False)
 
     def _placed(self, v: int, k: int, *, by: bool):
         """A literal: v is recomputed and runs before core step k (``by``), or after it.
