@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -246,8 +247,10 @@ def plan(
     *,
     solver: str | Solver = "auto",
     cost_model: str = "roofline",
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> PlanReport:
-    """Plan ``model`` on ``example_inputs`` without training it.
+    """Plan ``model`` on ``example_inputs`` (and ``example_kwargs``: Hugging Face models
+    take ``input_ids=``, ``labels=``) without training it.
 
     Tracing needs one forward pass; buffers it updates (BatchNorm statistics)
     are restored afterwards, and no gradient is computed.
@@ -256,7 +259,7 @@ def plan(
     traced = _compiled_copy(model, rb)
     snapshot = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
-        traced(*example_inputs)
+        traced(*example_inputs, **(example_kwargs or {}))
     finally:
         with torch.no_grad():
             for k, v in model.named_buffers():

@@ -295,6 +295,13 @@ def test_train_and_eval_switch_the_model_and_the_optimized_module_alike():
         copy.deepcopy(optimized)
 
 
+def test_plan_takes_keyword_inputs_as_hugging_face_models_want_them():
+    model, (x, y) = build("mlp")
+    by_position = remat.plan(model, (x, y), budget=0.7, solver="greedy").graphs[0].plan
+    by_keyword = remat.plan(model, (x,), budget=0.7, solver="greedy", example_kwargs={"y": y})
+    assert by_keyword.graphs[0].plan.saved == by_position.saved
+
+
 def test_plan_does_not_train_or_touch_buffers():
     model, inputs = build("cnn")
     buffers = {k: b.clone() for k, b in model.named_buffers()}
