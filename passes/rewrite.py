@@ -48,12 +48,19 @@ def rewrite(
     return fw, bw
 
 
+# Nodes that compute nothing at run time: inputs, and tensor constants the graph holds
+# (``get_attr``, e.g. a Hugging Face T5's ``torch.tensor`` literals), resident like them.
+_INPUTS = ("placeholder", "get_attr")
+
+
 def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
-    """Move ``gm``'s computing nodes into ``order``; fail loudly if the sets differ."""
+    """Move ``gm``'s computing nodes into ``order``, after its inputs and constants; fail
+    loudly if the sets differ."""
     graph = gm.graph
-    by_name = {n.name: n for n in graph.nodes if n.op not in ("placeholder", "output")}
-    inputs = {n.name for n in graph.nodes if n.op == "placeholder"}
-    wanted = [name for name in order if name not in inputs]
+    by_name = {n.name: n for n in graph.nodes if n.op not in (*_INPUTS, "output")}
+    inputs = [n for op in _INPUTS for n in graph.nodes if n.op == op]
+    names = {n.name for n in inputs}
+    wanted = [name for name in order if name not in names]
     missing = [name for name in wanted if name not in by_name]
     extra = sorted(set(by_name) - set(wanted))
     if missing or extra:
@@ -61,8 +68,11 @@ def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
             f"{program} program differs from the schedule: missing {missing[:10]}, "
             f"unexpected {extra[:10]}"
         )
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    cursor = placeholders[-1] if placeholders else None
+    cursor = None
+    for node in inputs:  # placeholders first (fx wants them so), then the constants
+        if cursor is not None:
+            cursor.append(node)
+        cursor = node
     for name in wanted:
         node = by_name[name]
         if cursor is None:
