@@ -28,9 +28,10 @@ Memory, two layers:
 - the **exact backward** (``_exact_backward``): every backward step, as one cumulative
   over the schedule's own order. The forward stays a lower bound.
 - **exact points** (``add_point``), added between solves where an answer overflowed:
-  the backward's memory during one core step, exactly, with booleans for "recomputed
-  by then" that follow ``schedule``'s placement (the chains miss recomputes pulled
-  early by recomputed consumers, and saved values read late only by recomputes).
+  the backward's memory during one core step, or while one recompute runs in its gap,
+  exactly, with booleans for "recomputed by then" that follow ``schedule``'s placement
+  (the chains miss recomputes pulled early by recomputed consumers, saved values read
+  late only by recomputes, and what a gap holds while its recomputes run).
 
 Every feasible plan's canonical assignment satisfies the model, so the model's
 optimum bounds the true optimum from below. The solver checks each answer with the
