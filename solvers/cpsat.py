@@ -330,14 +330,14 @@ def _lowest_fitting(refused: int, fitting: int, solve, probes: int) -> int:
 
 def _tighten(relax: Relaxation, plan: Plan) -> None:
     """Cut off an overflowing answer: the backward steps where it overflows made exact
-    (the worst ``POINTS_PER_ROUND`` not exact yet), else ``_cut``."""
+    (the worst ``POINTS_PER_ROUND`` not exact yet) and its forward overflow forbidden
+    (``explain``); failing both, that exact saved set."""
     added = 0
     for step in _overflowing_steps(relax, plan):
         if added == POINTS_PER_ROUND:
             break
         added += relax.add_point(*step)
-    if not added:
-        _cut(relax, plan)
+    _cut(relax, plan, weakest=not added)
 
 
 def _overflowing_steps(relax: Relaxation, plan: Plan) -> list[tuple]:
@@ -360,11 +360,13 @@ def _overflowing_steps(relax: Relaxation, plan: Plan) -> list[tuple]:
     return [step for *_, step in sorted(over, reverse=True)]
 
 
-def _cut(relax: Relaxation, plan: Plan) -> None:
+def _cut(relax: Relaxation, plan: Plan, *, weakest: bool = True) -> None:
+    """Forbid the answer's forward overflow (``explain``); failing that, and if
+    ``weakest``, its exact saved set."""
     literals = relax.explain(plan)
-    if literals:
+    if literals is not None:
         relax.forbid(literals)
-    else:
+    elif weakest:
         relax.forbid_saved_set(plan.saved)
 
 

@@ -229,7 +229,6 @@ class Relaxation:
         nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
         order = self.base_order
         run = _run(problem, "fwd", order, {}, self.held)
-        self.forward_live = [live for _, _, live in run.steps]
         last, self.forward_made = {}, {}
         for p, i in enumerate(order):
             for j in (*nodes[i].inputs, i, *parts[i]):
@@ -435,9 +434,10 @@ class Relaxation:
             return True
         # x's own buffers and scratch, on what the backward alone holds in the gap
         made = nodes[x].workspace + sum(size for _, size in self.problem.allocations[x])
-        here = [self._placed(x, k, by=True)]
+        # (the exact "needed by" literals: ``_placed``'s are only bounded from below)
+        here = [self.r[x], self._early_by(x, k)]
         if k > 0:
-            here.append(self._placed(x, k - 1, by=True).Not())
+            here.append(self._early_by(x, k - 1).Not())
         m.Add(sum(terms) <= self.budget - self.across[k] - made).OnlyEnforceIf(here)
         return True
 
@@ -691,9 +691,12 @@ class Relaxation:
         """Decisions of ``plan`` that overflow the budget in *every* plan sharing them.
 
         Only the forward needs this (the backward is exact): at the plan's forward
-        peak, the saved storages the forward would otherwise have freed, each pinned by
-        its saved literal. Returns those literals if the bytes they pin, with what the
-        outputs alone need there, exceed the budget; else None.
+        peak t, what every forward holds there, plus storages this one holds only
+        because of a saved value, each pinned by that value's saved literal: a saved
+        storage, or one that a node run only to compute a saved value touches at or
+        after t (the relaxation's forward chains miss those temporaries). Returns the
+        fewest literals whose bytes, with the rest and t's scratch, exceed the budget
+        (``[]``: every plan does); None if the forward fits.
         """
         if plan.timeline.peak_phase != "fwd":
             return None
@@ -701,22 +704,63 @@ class Relaxation:
 
     def _explain_forward(self, plan: Plan) -> list | None:
         problem = self.problem
-        t = plan.timeline.peak_node
-        if t not in self.in_base:
-            return None
-        p = bisect.bisect_left(self.base_order, t)
-        total, lits = self.forward_live[p], []
-        base_live = {
-            R
-            for R, q in self.forward_made.items()
-            if q <= p and (self.forward_last[R] >= p or R in self.held)
-        }
-        for R in sorted(plan.timeline.live_at_peak - base_live):
+        nodes, t = problem.nodes, plan.timeline.peak_node
+        order = plan.schedule.forward
+        at = order.index(t)
+        last = {}  # storage -> position of its last toucher in this forward
+        for q, v in enumerate(order):
+            for R in problem.touches[v]:
+                last[R] = q
+        lits, total = [], nodes[t].workspace
+        if t not in self.in_base:  # t itself runs only for a saved value: always pinned
+            lit = self._forcing_literal(plan, t)
+            if lit is None:
+                return None
+            lits.append(lit)
+        pins: dict[int, list] = {}  # literal index -> [bytes it pins, literal]
+        for R in sorted(plan.timeline.live_at_peak):
+            if self._live_in_every_forward(R, t):
+                total += nodes[R].bytes
+                continue
             lit = self._kept_literal(plan, R)
+            if lit is None and last.get(R, -1) >= at:
+                lit = self._forcing_literal(plan, order[last[R]])
             if lit is not None:
-                total += problem.nodes[R].bytes
-                lits.append(lit)
+                pins.setdefault(lit.Index(), [0, lit])[0] += nodes[R].bytes
+        for lit in lits:
+            total += pins.pop(lit.Index(), [0])[0]
+        # the fewest literals that still overflow: the cut then forbids the most plans
+        for size, lit in sorted(pins.values(), key=lambda pin: (-pin[0], pin[1].Index())):
+            if total > self.budget:
+                break
+            total += size
+            lits.append(lit)
         return lits if total > self.budget else None
+
+    def _live_in_every_forward(self, R: int, t: int) -> bool:
+        """Storage R is live while node t runs in every forward: the forward without
+        saved values (which every forward runs, in problem order) holds it then."""
+        if R not in self.forward_made:
+            return False
+        made = self.base_order[self.forward_made[R]]
+        return made <= t and (R in self.held or self.base_order[self.forward_last[R]] >= t)
+
+    def _forcing_literal(self, plan: Plan, c: int):
+        """The saved literal of the lowest saved value of ``plan`` whose computation runs
+        forward node c (c is not in the forward without saved values)."""
+        nodes = self.problem.nodes
+        for v in sorted(plan.saved):
+            if v not in self.s:
+                continue
+            seen, stack = set(), [v]
+            while stack:
+                i = stack.pop()
+                if i == c:
+                    return self.s[v]
+                if i not in seen and i not in self.in_base:
+                    seen.add(i)
+                    stack.extend(nodes[i].inputs)
+        return None
 
     def _kept_literal(self, plan: Plan, R: int):
         saved = [v for v in sorted(plan.saved) if self.problem.storage[v] == R and v in self.s]

@@ -132,6 +132,21 @@ def solve_fixed(problem: Problem, plan: Plan, budget: int, *, exact: bool = True
     return relax, solver, status
 
 
+def solve_decisions(problem: Problem, plan: Plan, budget: int, points=()):
+    """Fix only the plan's decisions (saved and recomputed values) and solve for every
+    derived literal: a point that binds must bind whatever the solver sets them to."""
+    relax = Relaxation(problem, budget, exact=False)
+    for k in points:
+        relax.add_point(*k)
+    values = relax.canonical(plan)
+    for var in (*relax.s.values(), *relax.r.values()):
+        relax.model.Add(var == values[var])
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 60.0
+    return solver, solver.Solve(relax.model)
+
+
 def plan_of(problem: Problem, saved) -> Plan:
     try:
         return evaluate(problem, saved, solver="test")
@@ -288,7 +303,7 @@ def test_an_exact_point_at_the_peak_is_tight(data, problem):
     assume(timeline.peak_phase == "bwd" and timeline.forward_peak < plan.peak)
     assume(timeline.peak_node in relax.pos and plan.peak > 1)
     k = relax.pos[timeline.peak_node]
-    _, solver, status = solve_fixed(problem, plan, plan.peak - 1, exact=False, points=[k])
+    solver, status = solve_decisions(problem, plan, plan.peak - 1, points=[(k,)])
     assert status == cp_model.INFEASIBLE, solver.StatusName(status)
 
 
@@ -304,8 +319,28 @@ def test_an_exact_point_at_a_recompute_peak_is_tight(data, problem):
     assume(timeline.peak_phase == "bwd" and timeline.forward_peak < plan.peak)
     assume(timeline.peak_node not in relax.pos and plan.peak > 1)
     (step,) = [s for s in recompute_steps(relax, plan) if s[1] == timeline.peak_node]
-    _, solver, status = solve_fixed(problem, plan, plan.peak - 1, exact=False, points=[step])
+    solver, status = solve_decisions(problem, plan, plan.peak - 1, points=[step])
     assert status == cp_model.INFEASIBLE, solver.StatusName(status)
+
+
+@settings(max_examples=80, **FILTERING)
+@given(data=st.data(), problem=solver_problems(120))
+def test_a_forward_overflow_is_explained_by_saved_values_that_overflow_it_always(data, problem):
+    """One byte under a forward peak: ``explain`` names saved values, and every plan
+    saving them all (another drawn set joined with them) peaks in its forward over
+    that budget too, also where the forward runs extra nodes to compute them."""
+    plan = plan_of(problem, data.draw(savable_subsets(problem), label="saved"))
+    assume(plan.timeline.peak_phase == "fwd" and plan.peak > 1)
+    budget = plan.peak - 1
+    relax = Relaxation(problem, budget, exact=False)
+    literals = relax.explain(plan)
+    assert literals is not None, "a forward overflow is always explained"
+    pinned = {v for v, var in relax.s.items() if any(var.Index() == x.Index() for x in literals)}
+    event(f"{len(pinned)} saved values pinned")
+    other = plan_of(problem, data.draw(savable_subsets(problem), label="other") | pinned)
+    values = relax.canonical(other)
+    assume(all(values[x] for x in literals))  # a later saved value may cut one off
+    assert other.timeline.forward_peak > budget
 
 
 @settings(max_examples=30, **SETTINGS)
