@@ -711,12 +711,12 @@ class Relaxation:
         for q, v in enumerate(order):
             for R in problem.touches[v]:
                 last[R] = q
+        forcing = self._forcing_literals(plan)
         lits, total = [], nodes[t].workspace
         if t not in self.in_base:  # t itself runs only for a saved value: always pinned
-            lit = self._forcing_literal(plan, t)
-            if lit is None:
+            if t not in forcing:
                 return None
-            lits.append(lit)
+            lits.append(forcing[t])
         pins: dict[int, list] = {}  # literal index -> [bytes it pins, literal]
         for R in sorted(plan.timeline.live_at_peak):
             if self._live_in_every_forward(R, t):
@@ -724,7 +724,7 @@ class Relaxation:
                 continue
             lit = self._kept_literal(plan, R)
             if lit is None and last.get(R, -1) >= at:
-                lit = self._forcing_literal(plan, order[last[R]])
+                lit = forcing.get(order[last[R]])
             if lit is not None:
                 pins.setdefault(lit.Index(), [0, lit])[0] += nodes[R].bytes
         for lit in lits:
@@ -745,22 +745,21 @@ class Relaxation:
         made = self.base_order[self.forward_made[R]]
         return made <= t and (R in self.held or self.base_order[self.forward_last[R]] >= t)
 
-    def _forcing_literal(self, plan: Plan, c: int):
-        """The saved literal of the lowest saved value of ``plan`` whose computation runs
-        forward node c (c is not in the forward without saved values)."""
-        nodes = self.problem.nodes
+    def _forcing_literals(self, plan: Plan) -> dict:
+        """For each node ``plan``'s forward runs beyond the forward without saved values:
+        the saved literal of the lowest saved value whose computation runs it. One walk
+        in all: a node already claimed had its inputs claimed by a lower value."""
+        nodes, forcing = self.problem.nodes, {}
         for v in sorted(plan.saved):
             if v not in self.s:
                 continue
-            seen, stack = set(), [v]
+            stack = [v]
             while stack:
                 i = stack.pop()
-                if i == c:
-                    return self.s[v]
-                if i not in seen and i not in self.in_base:
-                    seen.add(i)
+                if i not in forcing and i not in self.in_base:
+                    forcing[i] = self.s[v]
                     stack.extend(nodes[i].inputs)
-        return None
+        return forcing
 
     def _kept_literal(self, plan: Plan, R: int):
         saved = [v for v in sorted(plan.saved) if self.problem.storage[v] == R and v in self.s]
