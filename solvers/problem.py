@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+import numpy as np
+
 Phase = Literal["fwd", "bwd"]
 
 
@@ -137,6 +139,12 @@ class Problem:
         )
 
     @cached_property
+    def packed(self) -> Packed:
+        """``touches``, ``allocations``, workspaces and bytes as flat arrays, so the
+        simulator gathers a program's with numpy rather than walking it per step."""
+        return Packed.of(self)
+
+    @cached_property
     def backward_core(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Backward nodes the gradients need (problem order), and the forward values they
         (or the gradients themselves) read: the same for every plan."""
@@ -186,6 +194,38 @@ class Problem:
         every output of a multi-output op among them (the kernel writes them all)."""
         seen = self.forward_base
         return seen.union(*(self.outputs_of[i] for i in seen))
+
+
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """Per-node lists in CSR form: node i's touched storages are
+    ``touch_roots[touch_ptr[i]:touch_ptr[i + 1]]``, its allocations likewise."""
+
+    touch_ptr: np.ndarray
+    touch_roots: np.ndarray
+    alloc_ptr: np.ndarray
+    alloc_roots: np.ndarray
+    alloc_bytes: np.ndarray
+    workspace: np.ndarray
+    bytes: np.ndarray
+
+    @classmethod
+    def of(cls, problem: Problem) -> Packed:
+        nodes, touches, allocations = problem.nodes, problem.touches, problem.allocations
+        allocated = [a for per_node in allocations for a in per_node]
+        return cls(
+            touch_ptr=_offsets(len(t) for t in touches),
+            touch_roots=np.array([r for t in touches for r in t], dtype=np.int64),
+            alloc_ptr=_offsets(len(a) for a in allocations),
+            alloc_roots=np.array([r for r, _ in allocated], dtype=np.int64),
+            alloc_bytes=np.array([b for _, b in allocated], dtype=np.int64),
+            workspace=np.array([n.workspace for n in nodes], dtype=np.int64),
+            bytes=np.array([n.bytes for n in nodes], dtype=np.int64),
+        )
+
+
+def _offsets(lengths) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(np.fromiter(lengths, dtype=np.int64)))).astype(np.int64)
 
 
 def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:

@@ -228,7 +228,7 @@ class Relaxation:
         problem = self.problem
         nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
         order = self.base_order
-        run = _run(problem, "fwd", order, {}, self.held)
+        run = _run(problem, "fwd", order, (), self.held)
         last, self.forward_made = {}, {}
         for p, i in enumerate(order):
             for j in (*nodes[i].inputs, i, *parts[i]):
@@ -257,10 +257,9 @@ class Relaxation:
         problem, m = self.problem, self.model
         nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
         grads = {storage[g] for g in problem.grads}
-        start = {R: nodes[R].bytes for R in self.held}
-        run = _run(problem, "bwd", tuple(self.core), start, self.held | grads)
+        run = _run(problem, "bwd", tuple(self.core), tuple(self.held), self.held | grads)
         self.base_live = [live for _, _, live in run.steps]
-        self.held_bytes = sum(start.values())
+        self.held_bytes = sum(nodes[R].bytes for R in self.held)
 
         # saved storages: live from the start until their last core use
         drops: dict[int, list] = {}
