@@ -1,6 +1,10 @@
 """The optimising solver: CP-SAT on ``Relaxation``, every answer checked by the simulator.
 
-Two phases share the time limit:
+First the relaxation's LP, solved by an LP solver (``linear_bound.solve_lp``, not
+charged to the limit: 0.3 s at 2,000 nodes, 2.4 s at 10,000): a proven bound before
+CP-SAT's presolve, and where it proves the greedy's plan within ``gap_limit`` the search
+is skipped (10,000 nodes at 50% and 30%: 8-10 s instead of 30-60); its answer, rounded
+and repaired, is a candidate plan. Then two phases share the time limit:
 
 1. the relaxation (prefix-sum memory chains, no exact backward), on one worker with
    CP-SAT's strongest LP, up to the whole limit once the greedy's plan fits (else up to
@@ -45,6 +49,7 @@ from ortools.sat.python import cp_model
 
 from .budget import InfeasibleBudget
 from .heuristics import descend, fill, greedy
+from .linear_bound import solve_lp
 from .plan import Plan, evaluate, format_bytes
 from .problem import Problem
 from .relaxation import Relaxation
@@ -135,8 +140,20 @@ def cpsat(
     #    plan's cost, and each answer, repaired, is a candidate.
     #    With a plan in hand it may take the whole limit: the exact model then runs only
     #    on what it leaves (below MIN_EXACT it would find nothing anyway).
+    #    Its LP first, from an LP solver: a bound in seconds where CP-SAT's own first one
+    #    comes after its presolve (tens of seconds on 10,000 nodes); if that proves the
+    #    greedy's plan within ``gap_limit``, there is nothing left to search for.
+    #    Its answer rounded, repaired and polished is a candidate (on 10,000 nodes at 70%
+    #    one within 0.6% of the bound, where the greedy's is 1.2% over it).
+    relax = Relaxation(problem, budget, exact=False)
+    lp = solve_lp(relax.model, WALL_FACTOR * time_limit)
+    if lp is not None:
+        search.bound = lp.bound / relax.scale
+        if not search.close_enough:
+            rounded = evaluate(problem, relax.saved_set(lp.value), solver="cpsat")
+            search.offer(search.repair(rounded), polished=True)
     share = 1.0 if first is not None else BOUND_SHARE
-    used = search.bound_round(Relaxation(problem, budget, exact=False), time_limit * share)
+    used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share)
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
     #    its work is charged EXACT_WEIGHT-fold unless the greedy found no plan: then it
     #    gets the rest in full even if a repaired relaxation answer fits (on a BERT
@@ -222,7 +239,7 @@ class _Search:
         answer = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.bound = max(self.bound, solver.BestObjectiveBound() / relax.scale)
-            answer = evaluate(self.problem, relax.saved_set(solver), solver="cpsat")
+            answer = evaluate(self.problem, relax.saved_set(solver.Value), solver="cpsat")
             self.offer(answer)
             if solver.BestObjectiveBound() < solver.ObjectiveValue():
                 status = cp_model.FEASIBLE  # stopped at the gap limit, not proven

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
@@ -681,8 +682,10 @@ class Relaxation:
         for var, value in self.canonical(plan).items():
             self.model.AddHint(var, value)
 
-    def saved_set(self, solver: cp_model.CpSolver) -> frozenset[int]:
-        return frozenset(v for v, var in self.s.items() if solver.Value(var))
+    def saved_set(self, value: Callable[[cp_model.IntVar], float]) -> frozenset[int]:
+        """The values an answer saves: ``value`` reads a variable (``solver.Value``), or
+        an LP's fractional answer, rounded at one half."""
+        return frozenset(v for v, var in self.s.items() if value(var) >= 0.5)
 
     # ------------------------------------------------------------------ cuts
 

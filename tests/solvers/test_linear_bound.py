@@ -1,0 +1,125 @@
+"""The LP bound: CP-SAT models turned into LPs whose optimum is known by hand, and the
+bound's place in ``cpsat`` (a proof before the search, and never above a plan)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ortools.sat.python import cp_model
+
+from remat.solvers import greedy, store_all
+from remat.solvers.cpsat import _Search, cpsat
+from remat.solvers.linear_bound import solve_lp
+from remat.solvers.relaxation import Relaxation
+from remat.solvers.synthetic import layered
+
+
+def lp_value(model: cp_model.CpModel) -> float:
+    solution = solve_lp(model, 10.0)
+    assert solution is not None
+    return solution.bound
+
+
+def test_a_linear_model_gives_its_fractional_optimum_and_objective_offset():
+    model = cp_model.CpModel()
+    x, y = model.new_int_var(0, 5, "x"), model.new_int_var(0, 5, "y")
+    model.add(2 * x + 2 * y >= 3)
+    model.minimize(x + y + 7)
+    assert lp_value(model) == pytest.approx(8.5, rel=1e-5)  # CP-SAT: 9
+
+
+@pytest.mark.parametrize("negated", [False, True])
+def test_an_enforced_lower_side_is_relaxed_by_how_far_its_terms_reach(negated):
+    # x >= 4 where the literal holds, with x <= 2: the literal is false in every integer
+    # answer (cost 5, through c); the LP (x >= 4 * literal) takes it at one half: 4.5
+    model = cp_model.CpModel()
+    x, c = model.new_int_var(0, 10, "x"), model.new_bool_var("c")
+    b = model.new_bool_var("b")
+    literal = ~b if negated else b
+    model.add(x >= 4).only_enforce_if(literal)
+    model.add_bool_or([literal, c])
+    model.add(x <= 2)
+    model.minimize(x + 5 * c)
+    assert lp_value(model) == pytest.approx(4.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("negated", [False, True])
+def test_an_enforced_upper_side_is_relaxed_by_how_far_its_terms_reach(negated):
+    # x <= 6 where the literal holds, with x >= 8: as above, mirrored (10 - x for x)
+    model = cp_model.CpModel()
+    x, c = model.new_int_var(0, 10, "x"), model.new_bool_var("c")
+    b = model.new_bool_var("b")
+    literal = ~b if negated else b
+    model.add(x <= 6).only_enforce_if(literal)
+    model.add_bool_or([literal, c])
+    model.add(x >= 8)
+    model.minimize(10 - x + 5 * c)
+    assert lp_value(model) == pytest.approx(4.5, rel=1e-5)
+
+
+def test_clauses_become_sums_with_negated_literals_as_one_minus():
+    model = cp_model.CpModel()
+    a, b, c, d = (model.new_bool_var(n) for n in "abcd")
+    model.add_exactly_one([a, ~b])  # a = b
+    model.add_at_most_one([c, d, a])
+    model.add_bool_and([d]).only_enforce_if(b)  # b -> d
+    model.minimize(2 * a - 4 * b - c)
+    # with a = b: -2b - c, and a + c + d <= 1 with d >= b: 2b + c <= 1, so -1 (without
+    # b -> d: -2; a negation read as x: -4; without at-most-one: -3)
+    assert lp_value(model) == pytest.approx(-1.0, abs=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(-5, 5), min_size=3, max_size=3),
+            st.integers(-8, 8),
+            st.sampled_from([None, 0, 1, -1]),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.lists(st.integers(0, 6), min_size=3, max_size=3),
+)
+def test_the_bound_never_exceeds_the_integer_optimum(rows, costs):
+    model = cp_model.CpModel()
+    xs = [model.new_int_var(0, 3, f"x{i}") for i in range(3)]
+    flags = [model.new_bool_var("p"), model.new_bool_var("q")]
+    for coeffs, rhs, enforce in rows:
+        ct = model.add(sum(c * x for c, x in zip(coeffs, xs, strict=True)) <= rhs)
+        if enforce is not None:
+            ct.only_enforce_if(flags[0] if enforce == 0 else ~flags[1] if enforce < 0 else flags[1])
+    model.minimize(sum(c * x for c, x in zip(costs, xs, strict=True)) + 2 * flags[0])
+    solver = cp_model.CpSolver()
+    status = solver.solve(model)
+    solution = solve_lp(model, 10.0)
+    if status == cp_model.OPTIMAL:
+        assert solution is not None
+        assert solution.bound <= solver.objective_value + 1e-6
+    else:
+        assert status == cp_model.INFEASIBLE
+
+
+def test_cpsat_stops_before_the_search_where_the_lp_proves_the_greedy_close_enough(monkeypatch):
+    # layered(3) at 70%: the greedy's plan is 30% over the LP bound, so a gap limit of
+    # 35% needs no search; at 1% it does
+    problem = layered(3)
+    budget = int(store_all(problem).peak * 0.7)
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched although the LP bound sufficed")
+
+    with monkeypatch.context() as m:
+        m.setattr(_Search, "solve", no_search)
+        plan = cpsat(problem, budget, gap_limit=0.35)
+    relax = Relaxation(problem, budget, exact=False)
+    lp = solve_lp(relax.model, 10.0)
+    assert plan.bound == pytest.approx(lp.bound / relax.scale)
+    assert plan.bound <= plan.recompute_cost <= greedy(problem, budget).recompute_cost
+    assert 0 < plan.gap <= 0.35
+    with monkeypatch.context() as m:
+        m.setattr(_Search, "solve", no_search)
+        with pytest.raises(AssertionError, match="searched"):
+            cpsat(problem, budget, gap_limit=0.01)
