@@ -6,6 +6,7 @@
 
 from remat import memory
 from remat.api import (
+    NothingCompiled,
     PlanReport,
     RecompileLimitHit,
     RematBackend,
@@ -18,6 +19,7 @@ from remat.solvers import InfeasibleBudget, Plan
 
 __all__ = [
     "InfeasibleBudget",
+    "NothingCompiled",
     "Plan",
     "PlanReport",
     "RecompileLimitHit",

@@ -42,6 +42,7 @@ class RematBackend:
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         self.compiler = compiler
+        self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
         self.planner = Planner(budget, solver=solver, cost_model=cost_model)
         # warns when a graph runs twice in a step, or its loss is computed outside it
         self.runs = RunTracker(self.planner.warn_if_loss_outside)
@@ -51,6 +52,7 @@ class RematBackend:
         return self.planner.graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+        self.compiles += 1
         self.planner.next_leaves = _leaves_needing_grad(example_inputs)
         if self.compiler == "inductor":
             from torch._functorch import config as functorch_config
@@ -172,6 +174,19 @@ def optimize(
     return optimized
 
 
+class NothingCompiled(RuntimeError):
+    """dynamo captured no graph from the forward and ran it eagerly, outside the budget."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(
+            f"remat planned nothing for {model_name}.forward: torch.compile captured no graph "
+            "from it and ran it eagerly, outside remat's budget. TORCH_LOGS=graph_breaks "
+            "names the reason; nn.LSTM, nn.GRU and nn.RNN, for one, make dynamo skip the "
+            "whole forward unless torch._dynamo.config.allow_rnn = True (GRU then trains "
+            "under remat; LSTM fails in torch 2.13's own AOT autograd on CPU)."
+        )
+
+
 class RecompileLimitHit(RuntimeError):
     """dynamo's recompile limit stopped remat from planning a step, which would otherwise
     have run eagerly, outside the budget."""
@@ -215,7 +230,7 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
             # budget, with only a log warning: fail instead (unless errors are suppressed,
             # which dynamo does not allow together with this).
             with dynamo.patch(fail_on_recompile_limit_hit=not dynamo.suppress_errors):
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
         except BackendCompilerFailed as failure:
             # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
             if isinstance(failure.inner_exception, (InfeasibleBudget, ValueError)):
@@ -223,6 +238,9 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
             raise
         except FailOnRecompileLimitHit as hit:
             raise RecompileLimitHit(cls.__name__, dynamo.recompile_limit) from hit
+        if not rb.compiles:  # dynamo skipped the whole frame: it will at every call
+            raise NothingCompiled(cls.__name__)
+        return out
 
     def __deepcopy__(self, memo):
         # A copy's forward would still run ``model`` (``compiled`` is bound to it).

@@ -666,6 +666,22 @@ def _is_collective(target: Any) -> bool:
     return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
 
 
+# Backward kernels of fused RNNs: they read a buffer their forward kernel wrote in the
+# library's own layout (offsets, sizes), which synthetic inputs cannot fake: on them
+# mkldnn_rnn_layer_backward crashed the process (an nn.LSTM, allow_rnn). Never run alone:
+# their memory is the outputs' nominal bytes, their time the roofline estimate.
+_OPAQUE_BUFFER_OPS = frozenset(
+    {"aten::mkldnn_rnn_layer_backward", "aten::_cudnn_rnn_backward", "aten::miopen_rnn_backward"}
+)
+
+
+def _runs_alone(target: Any) -> bool:
+    """Whether ``target`` may run alone on synthetic inputs (to measure or time it):
+    not a collective (it could hang) nor a kernel reading another kernel's opaque buffer."""
+    schema = _schema(target)
+    return not _is_collective(target) and (schema is None or schema.name not in _OPAQUE_BUFFER_OPS)
+
+
 # Ops that update running stats in place although their schema declares no mutation
 # (non-functionalised graphs only; AOT's joint graph uses the *_functional variants),
 # with the argument that turns the update on.
@@ -862,9 +878,9 @@ def profile_seconds(
             ):
                 result[node.name] = 0.0
                 continue
-            if _is_collective(node.target):
+            if not _runs_alone(node.target):
                 result[node.name] = estimate_seconds(node, spec)
-                result.fallbacks[node.name] = "collective: not run in isolation"
+                result.fallbacks[node.name] = "not run alone: a collective, or it reads a buffer"
                 continue
             key = (node.target, _signature(node.args), _signature(node.kwargs))
             if key in measured:
@@ -929,6 +945,17 @@ def kernel_memory(
     key = (node.target, _signature(node.args), _signature(node.kwargs), dev)
     if cache is not None and key in cache:
         return cache[key]
+    if not _runs_alone(node.target):
+        log.warning(
+            "kernel_memory: %s (%s) not measured: it reads a buffer its forward kernel wrote, "
+            "which synthetic inputs cannot fake; its scratch counts as 0 (the measured peak "
+            "may exceed the prediction by it)",
+            node.name,
+            node.target,
+        )
+        if cache is not None:
+            cache[key] = None
+        return None
     from remat.memory import peak
 
     # On CPU the peak is measured with a profiler, which cannot run inside a user's: then

@@ -814,3 +814,33 @@ def test_kernel_memory_of_an_op_that_cannot_run_is_unknown_and_reported(caplog, 
     with caplog.at_level(logging.WARNING, logger="remat.costs"):
         assert kernel_memory(boom, "cpu") is None
     assert caplog.text == ""
+
+
+def test_fused_rnn_backward_is_never_run_on_synthetic_inputs(caplog):
+    """mkldnn_rnn_layer_backward reads the workspace its forward kernel wrote (offsets and
+    sizes in oneDNN's layout): on synthetic inputs it crashed the process (an nn.LSTM
+    under allow_rnn). Its memory is the nominal one, its time the estimate, with a note."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    lstm = torch.nn.LSTM(8, 16, batch_first=True)
+    names = [n for n, _ in lstm.named_parameters()]
+
+    def step(x, *params):
+        out, _ = torch.func.functional_call(lstm, dict(zip(names, params, strict=True)), (x,))
+        return torch.autograd.grad(out.sum(), params)
+
+    params = [p.detach().requires_grad_() for p in lstm.parameters()]
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(2, 5, 8), *params)
+    backward = [
+        n for n in gm.graph.nodes if n.target == torch.ops.aten.mkldnn_rnn_layer_backward.default
+    ]
+    assert backward, "the CPU LSTM's backward kernel changed: this test no longer covers it"
+    with caplog.at_level(logging.WARNING, logger="remat.costs"):
+        measured = {n.name: costs.kernel_memory(n, "cpu") for n in gm.graph.nodes}
+    assert measured[backward[0].name] is None
+    assert "reads a buffer its forward kernel wrote" in caplog.text
+    forward = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mkldnn_rnn_layer.default)
+    assert measured[forward.name] is not None  # the forward kernel is measured as usual
+    timed = profile_seconds(gm, "cpu", repeat=1, warmup=0)
+    assert backward[0].name in timed.fallbacks
+    assert forward.name not in timed.fallbacks

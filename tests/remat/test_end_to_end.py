@@ -245,6 +245,40 @@ def test_recompile_limit_is_an_error_not_an_eager_step():
     torch._dynamo.reset()
 
 
+class _GRUClassifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.GRU(8, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h, _ = self.rnn(x)
+        return torch.nn.functional.cross_entropy(self.head(h[:, -1]), y)
+
+
+def test_a_forward_dynamo_skips_is_an_error_not_an_eager_step():
+    """dynamo skips a whole forward that holds an nn.GRU (unless allow_rnn): the step would
+    run eagerly, outside the budget, and the report said "call the model once"."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 6, 8), torch.randint(0, 4, (4,))
+    optimized = remat.optimize(_GRUClassifier(), budget=0.9)
+    with pytest.raises(remat.NothingCompiled, match="allow_rnn"):
+        optimized(x, y)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        model = _GRUClassifier()
+        reference = copy.deepcopy(model)
+        optimized = remat.optimize(model, budget=0.9)
+        optimized(x, y).backward()
+        reference(x, y).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+        model.zero_grad(set_to_none=True)
+        measured = memory.peak(lambda: optimized(x, y).backward()).peak_bytes
+        assert measured == optimized.remat.report().predicted_peak
+    torch._dynamo.reset()
+
+
 def test_budget_below_minimum_names_it():
     model, inputs = build("mlp")
     optimized = remat.optimize(model, budget=1024)
