@@ -36,7 +36,8 @@ the same on every machine) and, with several workers, interleaved search; so eve
 rank of a distributed job gets the same plan. The default limit (2 up to 4,000 nodes,
 ``default_time_limit``) took 1-12 wall seconds on graphs of 500-2,000 nodes on our 2-core
 machines. Each solve also has a wall-clock guard of ``WALL_FACTOR`` times its limit
-against pathological models; only if it fires can two runs differ.
+against pathological models (the LP solve one of ``WALL_FACTOR`` times the whole limit);
+only if one fires can two runs differ.
 """
 
 from __future__ import annotations

@@ -100,16 +100,19 @@ def _linear_program(proto) -> linear_solver_pb2.MPModelProto | None:
     bounds = []
     for var in proto.variables:
         domain = var.domain
-        low, high = _finite(domain[0]), _finite(domain[-1])  # holes relaxed
+        low, high = _float_bound(domain[0]), _float_bound(domain[-1])  # holes relaxed
         column = lp.variable.add()
         column.lower_bound, column.upper_bound = low, high
         bounds.append((low, high))
     left_out = 0
     for ct in proto.constraints:
+        rows = _rows(ct)
+        if rows is None:
+            left_out += 1
+            continue
         enforcement = list(ct.enforcement_literal)
-        for terms, low, high in _rows(ct):
+        for terms, low, high in rows:
             _add_enforced(lp, terms, low, high, enforcement, bounds)
-        left_out += not _supported(ct)
     if left_out:
         logger.debug("LP bound: %d constraints of other kinds left out", left_out)
     objective = proto.objective
@@ -122,34 +125,30 @@ def _linear_program(proto) -> linear_solver_pb2.MPModelProto | None:
     return lp
 
 
-def _supported(ct) -> bool:
-    kind = ct.WhichOneof("constraint")
-    if kind == "linear":
-        return all(ref >= 0 for ref in ct.linear.vars)
-    return kind in ("bool_or", "bool_and", "at_most_one", "exactly_one")
-
-
-def _rows(ct):
-    """The constraint as ``(terms, low, high)`` rows (``None``: no such side)."""
+def _rows(ct) -> list[tuple[dict[int, float], float | None, float | None]] | None:
+    """The constraint as ``(terms, low, high)`` rows (``None``: no such side), or None
+    for a kind this does not linearise (or negated references in a linear one, which
+    CP-SAT's Python layer does not emit)."""
     kind = ct.WhichOneof("constraint")
     if kind == "linear":
         if any(ref < 0 for ref in ct.linear.vars):
-            return  # negated references (not emitted by CP-SAT's Python layer): left out
+            return None
         terms: dict[int, float] = {}
         for var, coeff in zip(ct.linear.vars, ct.linear.coeffs, strict=True):
-            terms[var] = terms.get(var, 0) + coeff
+            if coeff:  # a zero times an infinite bound would be NaN in the big-M
+                terms[var] = terms.get(var, 0) + coeff
         domain = ct.linear.domain
-        low, high = _finite(domain[0]), _finite(domain[-1])
-        yield terms, (None if low == -INF else low), (None if high == INF else high)
-    elif kind == "bool_or":
-        yield _literal_sum(ct.bool_or.literals, low=1)
-    elif kind == "bool_and":
-        for ref in ct.bool_and.literals:
-            yield _literal_sum([ref], low=1)
-    elif kind == "at_most_one":
-        yield _literal_sum(ct.at_most_one.literals, high=1)
-    elif kind == "exactly_one":
-        yield _literal_sum(ct.exactly_one.literals, low=1, high=1)
+        low, high = _float_bound(domain[0]), _float_bound(domain[-1])
+        return [(terms, None if low == -INF else low, None if high == INF else high)]
+    if kind == "bool_or":
+        return [_literal_sum(ct.bool_or.literals, low=1)]
+    if kind == "bool_and":
+        return [_literal_sum([ref], low=1) for ref in ct.bool_and.literals]
+    if kind == "at_most_one":
+        return [_literal_sum(ct.at_most_one.literals, high=1)]
+    if kind == "exactly_one":
+        return [_literal_sum(ct.exactly_one.literals, low=1, high=1)]
+    return None
 
 
 def _literal_sum(literals, low=None, high=None):
@@ -192,5 +191,6 @@ def _var(ref: int) -> tuple[int, int]:
     return (ref, 1) if ref >= 0 else (-ref - 1, -1)
 
 
-def _finite(value: int) -> float:
+def _float_bound(value: int) -> float:
+    """A CP-SAT domain end as an LP bound: its infinite ends as infinities."""
     return INF if value >= INT_MAX else -INF if value <= -INT_MAX else value
