@@ -675,11 +675,9 @@ _OPAQUE_BUFFER_OPS = frozenset(
 )
 
 
-def _runs_alone(target: Any) -> bool:
-    """Whether ``target`` may run alone on synthetic inputs (to measure or time it):
-    not a collective (it could hang) nor a kernel reading another kernel's opaque buffer."""
+def _reads_opaque_buffer(target: Any) -> bool:
     schema = _schema(target)
-    return not _is_collective(target) and (schema is None or schema.name not in _OPAQUE_BUFFER_OPS)
+    return schema is not None and schema.name in _OPAQUE_BUFFER_OPS
 
 
 # Ops that update running stats in place although their schema declares no mutation
@@ -878,9 +876,13 @@ def profile_seconds(
             ):
                 result[node.name] = 0.0
                 continue
-            if not _runs_alone(node.target):
+            if _is_collective(node.target) or _reads_opaque_buffer(node.target):
                 result[node.name] = estimate_seconds(node, spec)
-                result.fallbacks[node.name] = "not run alone: a collective, or it reads a buffer"
+                result.fallbacks[node.name] = (
+                    "collective: not run in isolation"
+                    if _is_collective(node.target)
+                    else "reads a buffer its forward kernel wrote: not run on synthetic inputs"
+                )
                 continue
             key = (node.target, _signature(node.args), _signature(node.kwargs))
             if key in measured:
@@ -945,7 +947,7 @@ def kernel_memory(
     key = (node.target, _signature(node.args), _signature(node.kwargs), dev)
     if cache is not None and key in cache:
         return cache[key]
-    if not _runs_alone(node.target):
+    if _reads_opaque_buffer(node.target):
         log.warning(
             "kernel_memory: %s (%s) not measured: it reads a buffer its forward kernel wrote, "
             "which synthetic inputs cannot fake; its scratch counts as 0 (the measured peak "
