@@ -29,32 +29,30 @@ def test_a_linear_model_gives_its_fractional_optimum_and_objective_offset():
     assert lp_value(model) == pytest.approx(8.5, rel=1e-5)  # CP-SAT: 9
 
 
+# (the enforced row, the hard row, the objective's x term): x >= 4 where the literal
+# holds with x <= 2, and the mirror x <= 6 with x >= 8 (10 - x for x), each a CP-SAT row
+# with only that side
+SIDES = {
+    "lower": (lambda x: x >= 4, lambda x: x <= 2, lambda x: x),
+    "upper": (lambda x: x <= 6, lambda x: x >= 8, lambda x: 10 - x),
+}
+
+
 @pytest.mark.parametrize("negated", [False, True])
-def test_an_enforced_lower_side_is_relaxed_by_how_far_its_terms_reach(negated):
-    # x >= 4 where the literal holds, with x <= 2: the literal is false in every integer
-    # answer (cost 5, through c); the LP (x >= 4 * literal) takes it at one half: 4.5
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_an_enforced_side_is_relaxed_by_how_far_its_terms_reach(side, negated):
+    # the literal is false in every integer answer (cost 5, through c); the LP (for the
+    # lower side x >= 4 * literal, a big-M of 4) takes it at one half: 4.5 (a big-M of
+    # 10, the variable's whole range, gives 5)
+    enforced, hard, term = SIDES[side]
     model = cp_model.CpModel()
     x, c = model.new_int_var(0, 10, "x"), model.new_bool_var("c")
     b = model.new_bool_var("b")
     literal = ~b if negated else b
-    model.add(x >= 4).only_enforce_if(literal)
+    model.add(enforced(x)).only_enforce_if(literal)
     model.add_bool_or([literal, c])
-    model.add(x <= 2)
-    model.minimize(x + 5 * c)
-    assert lp_value(model) == pytest.approx(4.5, rel=1e-5)
-
-
-@pytest.mark.parametrize("negated", [False, True])
-def test_an_enforced_upper_side_is_relaxed_by_how_far_its_terms_reach(negated):
-    # x <= 6 where the literal holds, with x >= 8: as above, mirrored (10 - x for x)
-    model = cp_model.CpModel()
-    x, c = model.new_int_var(0, 10, "x"), model.new_bool_var("c")
-    b = model.new_bool_var("b")
-    literal = ~b if negated else b
-    model.add(x <= 6).only_enforce_if(literal)
-    model.add_bool_or([literal, c])
-    model.add(x >= 8)
-    model.minimize(10 - x + 5 * c)
+    model.add(hard(x))
+    model.minimize(term(x) + 5 * c)
     assert lp_value(model) == pytest.approx(4.5, rel=1e-5)
 
 
