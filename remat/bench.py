@@ -195,11 +195,6 @@ def run_bench(
         dev = _device_of(examples.load(model_spec, **kwargs)[0])
 
     configs = _configs(methods, budgets, solvers, compiler, cost_models, time_limit)
-    references = {"eager": _eager_gradients(model_spec, kwargs)}
-    if compiler == "inductor" and {"torch", "remat"} & set(methods):
-        if _is_random(model_spec, kwargs, references["eager"]):
-            say("the step is random: one plain torch.compile step, the inductor rows' reference")
-            references["torch.compile"] = _compiled_gradients(model_spec, kwargs)
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)
@@ -207,6 +202,15 @@ def run_bench(
     limits = {"recompile_limit": 4 * len(configs) + 8, "accumulated_recompile_limit": 4096}
     torch._dynamo.reset()
     try:
+        # the references on as many threads as the rows: a matmul's sums may be ordered
+        # by the thread count (on one CPU eager's own row was 2e-8 off a 2-thread one)
+        references = {"eager": _eager_gradients(model_spec, kwargs)}
+        if compiler == "inductor" and {"torch", "remat"} & set(methods):
+            if _is_random(model_spec, kwargs, references["eager"]):
+                say(
+                    "the step is random: one plain torch.compile step, the inductor rows' reference"
+                )
+                references["torch.compile"] = _compiled_gradients(model_spec, kwargs)
         with torch._dynamo.config.patch(**limits):
             for k, cfg in enumerate(configs, 1):
                 tag = f"[{k}/{len(configs)}]"
