@@ -68,7 +68,9 @@ POINTS_PER_ROUND = 2
 # points while time is left: on the 12-layer gpt at GPT-2-small sizes (d=768, seq 1024,
 # vocab 50257) the uncapped first round took the whole limit, its answer overflowing by
 # 16%: gaps 31%/55% at 50%/30%, against 0.2%/proven optimal capped (docs/solver-notes.md).
-# On 10,000 nodes a third of the limit ends before the first bound: there it is uncapped.
+# Not where the LP's rounded answer gave the first round its points already (capped
+# there, the 12-layer gpt's rounds lost: 30% 0.6% -> 2.3%). On 10,000 nodes a third of
+# the limit ends before the first bound: there it is uncapped.
 FIRST_ROUND_SHARE = 1 / 3
 FIRST_ROUND_CAP_NODES = 5_000
 EXACT_WEIGHT = 8.0  # of the limit, per deterministic second of the exact model (see below)
@@ -146,15 +148,20 @@ def cpsat(
     #    greedy's plan within ``gap_limit``, there is nothing left to search for.
     #    Its answer rounded, repaired and polished is a candidate (on 10,000 nodes at 70%
     #    one within 0.6% of the bound, where the greedy's is 1.2% over it).
+    #    Where that answer overflows in the backward, its steps are made exact before the
+    #    first round (as a round's answer's are), which then needs no cap.
     relax = Relaxation(problem, budget, exact=False)
     lp = solve_lp(relax.model, WALL_FACTOR * time_limit)
+    seeded = False
     if lp is not None:
         search.bound = lp.bound / relax.scale
         if not search.close_enough:
             rounded = evaluate(problem, relax.saved_set(lp.value), solver="cpsat")
             search.offer(search.repair(rounded), polished=True)
+            seeded = rounded.peak > budget and _add_points(relax, rounded) > 0
     share = 1.0 if first is not None else BOUND_SHARE
-    used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share)
+    capped = not seeded and len(problem) <= FIRST_ROUND_CAP_NODES
+    used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share, capped)
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
     #    its work is charged EXACT_WEIGHT-fold unless the greedy found no plan: then it
     #    gets the rest in full even if a repaired relaxation answer fits (on a BERT
@@ -262,15 +269,14 @@ class _Search:
 
         solver.best_bound_callback = on_bound
 
-    def bound_round(self, relax: Relaxation, seconds: float) -> float:
+    def bound_round(self, relax: Relaxation, seconds: float, capped: bool) -> float:
         """Solve the relaxation; while its answer overflows, make the overflowing backward
         steps exact (or cut the forward's overflow) and solve again. Every answer's
         optimum is a bound (the cuts hold for every plan); an answer that fits is the
-        optimum. The first round stops at ``FIRST_ROUND_SHARE`` of the time (small
-        graphs), and runs again uncapped if that left no overflow to point at. Returns
-        the deterministic time used."""
+        optimum. The first round stops at ``FIRST_ROUND_SHARE`` of the time if
+        ``capped``, and runs again uncapped if that left no overflow to point at.
+        Returns the deterministic time used."""
         spent = 0.0
-        capped = len(self.problem) <= FIRST_ROUND_CAP_NODES
         while seconds - spent > 0.01:
             cap = seconds * FIRST_ROUND_SHARE if capped else seconds
             status, answer, used = self.solve(relax, min(seconds - spent, cap))
@@ -350,12 +356,18 @@ def _tighten(relax: Relaxation, plan: Plan) -> None:
     """Cut off an overflowing answer: the backward steps where it overflows made exact
     (the worst ``POINTS_PER_ROUND`` not exact yet) and its forward overflow forbidden
     (``explain``); failing both, that exact saved set."""
+    _cut(relax, plan, weakest=not _add_points(relax, plan))
+
+
+def _add_points(relax: Relaxation, plan: Plan) -> int:
+    """Make the worst ``POINTS_PER_ROUND`` backward steps where ``plan`` overflows
+    exact (those not exact yet). Returns how many were added."""
     added = 0
     for step in _overflowing_steps(relax, plan):
         if added == POINTS_PER_ROUND:
             break
         added += relax.add_point(*step)
-    _cut(relax, plan, weakest=not added)
+    return added
 
 
 def _overflowing_steps(relax: Relaxation, plan: Plan) -> list[tuple]:

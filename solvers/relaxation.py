@@ -448,15 +448,13 @@ class Relaxation:
         With ``rank``: while the recompute of that rank runs in the gap before core step
         k instead, where "by then" and "later" split that gap by rank (``schedule`` runs
         each gap in rank order)."""
-        m, nodes, ranks = self.model, self.problem.nodes, self.problem.rank
+        m, nodes = self.model, self.problem.nodes
         op = nodes[R].output_of
         maker = op if op is not None else R
         made = [self.kept[R]]
-        if maker in self._movable:
-            if rank is None or ranks[maker] < rank:
-                made.append(self._placed(maker, k, by=True))
-            elif k > 0:  # in an earlier gap
-                made.append(self._placed(maker, k - 1, by=True))
+        by = self._relative(maker, k, rank, by=True) if maker in self._movable else None
+        if by is not None:
+            made.append(by)
         if self.use.get(R, (0, -1))[1] >= k:
             later = None  # a core step at or after k reads it
         else:
@@ -464,7 +462,9 @@ class Relaxation:
             touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
             if op is not None:
                 touchers.add(op)  # re-running its op rewrites R
-            later_lits = [self._after(u, k, rank) for u in sorted(touchers) if u in self._movable]
+            later_lits = [
+                self._relative(u, k, rank, by=False) for u in sorted(touchers) if u in self._movable
+            ]
             if not later_lits:
                 return None
             later = m.NewBoolVar(f"later{R}_{k}_{rank}")
@@ -474,21 +474,31 @@ class Relaxation:
         live = m.NewBoolVar(f"live{R}_{k}_{rank}")
         for lit in made:
             m.Add(live >= lit if later is None else live >= lit + later - 1)
+        if later is not None and R not in self.use:
+            # R is read by recomputes only: kept, a recompute needs it, so it is dead at
+            # k only if one of its readers ran by then. In the LP ``kept + later - 1``
+            # is 0 for an R half kept and half read later; this keeps it half live
+            # (docs/solver-notes.md)
+            readers = sorted({u for v in members for u in self.users[v]} - set(members))
+            ran = [self._relative(u, k, rank, by=True) for u in readers if u in self._movable]
+            m.Add(live >= self.kept[R] - sum(lit for lit in ran if lit is not None))
         self._derive(live, lambda x: max(x[lit] for lit in made) and (later is None or x[later]))
         return live
 
-    def _after(self, u: int, k: int, rank: int | None):
-        """A literal: u is recomputed and runs after core step k (``rank`` None), or
-        after the recompute of that rank in the gap before core step k (u itself too:
-        it reads its inputs then)."""
+    def _relative(self, u: int, k: int, rank: int | None, *, by: bool):
+        """A literal: u is recomputed and runs by (``by``) or after core step k (``rank``
+        None), or the recompute of that rank in the gap before core step k (u itself too:
+        it reads its inputs then). None where it never can."""
         if rank is None or self.problem.rank[u] < rank:
-            return self._placed(u, k, by=False)
-        if k == 0:
-            return self.r[u]  # every gap is at or after the first
-        return self._placed(u, k - 1, by=False)
+            return self._placed(u, k, by=by)
+        if k == 0:  # every gap is at or after the first
+            return None if by else self.r[u]
+        return self._placed(u, k - 1, by=by)
 
     def _placed(self, v: int, k: int, *, by: bool):
         """A literal: v is recomputed and runs before core step k (``by``), or after it.
+        "before" is exact (``_live_at``'s cut for storages read by recomputes needs its
+        upper side); "after" is only bounded from below (only that side is used).
         Made once per (v, k, by): v may touch several storages live at k."""
         if (v, k, by) in self._placed_lits:
             return self._placed_lits[v, k, by]
@@ -499,6 +509,8 @@ class Relaxation:
         r = self.r[v]
         if by:
             self.model.Add(lit >= r + early - 1)
+            self.model.AddImplication(lit, r)
+            self.model.AddImplication(lit, early)
             self._derive(lit, lambda x: x[r] and x[early])
         else:
             self.model.Add(lit >= r - early)
@@ -551,8 +563,12 @@ class Relaxation:
             self._derive(pull, lambda x, r=r, e=sooner_lit: x[r] and x[e])
             pulls.append(pull)
         lit = m.NewBoolVar(f"early{v}_{k}")
-        if pulls:
-            m.AddMaxEquality(lit, pulls)
+        if pulls:  # lit == max(pulls), as clauses: the LPs see ``lit <= sum(pulls)`` then,
+            # which lin_max hid from both (linear_bound leaves it out; with it the
+            # 12-layer gpt's exact points raised no LP bound, docs/solver-notes.md)
+            for pull in pulls:
+                m.AddImplication(pull, lit)
+            m.AddBoolOr([lit.Not(), *pulls])
         else:
             m.Add(lit == 0)
         self._derive(lit, lambda x: max((x[p] for p in pulls), default=0))
