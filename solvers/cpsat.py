@@ -4,7 +4,9 @@ First the relaxation's LP, solved by an LP solver (``linear_bound.solve_lp``, no
 charged to the limit: 0.3 s at 2,000 nodes, 2.4 s at 10,000): a proven bound before
 CP-SAT's presolve, and where it proves the greedy's plan within ``gap_limit`` the search
 is skipped (10,000 nodes at 50% and 30%: 8-10 s instead of 30-60); its answer, rounded
-and repaired, is a candidate plan. Then two phases share the time limit:
+and repaired, is a candidate plan, and where the rounded answer overflows in the
+backward, those steps are made exact before the first round. Then two phases share the
+time limit:
 
 1. the relaxation (prefix-sum memory chains, no exact backward), on one worker with
    CP-SAT's strongest LP, up to the whole limit once the greedy's plan fits (else up to
