@@ -459,7 +459,8 @@ class Relaxation:
             later = None  # a core step at or after k reads it
         else:
             members = self.members[R]
-            touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
+            readers = {u for v in members for u in self.users[v]} - set(members)
+            touchers = readers | set(members) - {R}
             if op is not None:
                 touchers.add(op)  # re-running its op rewrites R
             later_lits = [
@@ -479,8 +480,9 @@ class Relaxation:
             # k only if one of its readers ran by then. In the LP ``kept + later - 1``
             # is 0 for an R half kept and half read later; this keeps it half live
             # (docs/solver-notes.md)
-            readers = sorted({u for v in members for u in self.users[v]} - set(members))
-            ran = [self._relative(u, k, rank, by=True) for u in readers if u in self._movable]
+            ran = [
+                self._relative(u, k, rank, by=True) for u in sorted(readers) if u in self._movable
+            ]
             m.Add(live >= self.kept[R] - sum(lit for lit in ran if lit is not None))
         self._derive(live, lambda x: max(x[lit] for lit in made) and (later is None or x[later]))
         return live
