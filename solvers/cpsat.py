@@ -160,7 +160,7 @@ def cpsat(
         if not search.close_enough:
             rounded = evaluate(problem, relax.saved_set(lp.value), solver="cpsat")
             search.offer(search.repair(rounded), polished=True)
-            seeded = rounded.peak > budget and _add_points(relax, rounded) > 0
+            seeded = _add_points(relax, rounded) > 0  # none where it fits
     share = 1.0 if first is not None else BOUND_SHARE
     capped = not seeded and len(problem) <= FIRST_ROUND_CAP_NODES
     used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share, capped)
