@@ -339,9 +339,8 @@ def _nothing_to_point_at(status, answer: Plan | None, budget: int) -> bool:
 
 def _lowest_fitting(refused: int, fitting: int, solve, probes: int) -> int:
     """Bisect between a refused budget and one a plan fits (the greedy's minimum, which
-    CP-SAT may undercut: on the 4-layer gpt its minimum is 30.6% of store-all and CP-SAT
-    fits 29.8%) with ``probes`` calls of ``solve(budget)``: the lowest budget found to
-    fit."""
+    CP-SAT may undercut) with ``probes`` calls of ``solve(budget)``: the lowest budget
+    found to fit."""
     for _ in range(probes):
         middle = (refused + fitting) // 2
         if middle <= refused:
