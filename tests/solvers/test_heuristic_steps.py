@@ -13,6 +13,7 @@ from remat.solvers.heuristics import (
     _ranked_groups,
     _victims,
     descend,
+    fill,
     greedy,
     savable,
 )
@@ -150,3 +151,25 @@ def test_dropping_saves_frees_storages_also_saved_through_views():
     trajectory = _drop_saves(problem)
     assert trajectory[-1].peak < store_all(problem).peak
     assert greedy(problem).peak <= trajectory[-1].peak
+
+
+def test_fill_per_byte_tries_the_cheapest_bytes_first():
+    """Saving the costly 100-byte value back overflows the budget; the 1-byte one fits.
+    With one trial, costliest first spends it on the first, per byte on the second."""
+    nodes = [
+        Node("x", "fwd", 10, 0.5),
+        Node("big", "fwd", 100, 2.0, (0,)),
+        Node("tiny", "fwd", 1, 1.0, (0,)),
+        Node("loss", "fwd", 4, 0.1, (1, 2)),
+        Node("tangent", "bwd", 4),
+        Node("g1", "bwd", 200, 1.0, (4,)),  # the peak: what is saved is live here
+        Node("g2", "bwd", 4, 1.0, (5,)),
+        Node("grad", "bwd", 4, 1.0, (6, 1, 2)),
+    ]
+    problem = Problem(nodes, outputs=(3,), grads=(7,))
+    plan = evaluate(problem, (), solver="t")
+    budget = plan.peak + 1
+    assert fill(problem, plan, budget, max_trials=1).recompute_cost == plan.recompute_cost
+    filled = fill(problem, plan, budget, max_trials=1, order="per_byte")
+    assert filled.saved == {2} and filled.peak <= budget
+    assert filled.recompute_cost == plan.recompute_cost - 1.0
