@@ -247,7 +247,10 @@ def fill(
     "cost" gives up before: the many tiny masks and index tensors of a real graph (the
     6-layer hf-gpt2 at 30%, after "cost": 0.001976 -> 0.00177, its optimum 0.001761).
     """
-    key = {"cost": _costliest, "per_byte": _per_byte}[order]
+    orders = {"cost": _costliest, "per_byte": _per_byte}
+    if order not in orders:
+        raise ValueError(f"order must be one of {sorted(orders)}, got {order!r}")
+    key = orders[order]
     movable = savable(problem)
     trials = FILL_TRIALS if max_trials is None else max_trials
     misses = 0
@@ -295,7 +298,7 @@ def _victims(problem: Problem, plan: Plan, step: int, grow: bool = False) -> fro
 
 def _ranked_groups(problem: Problem, plan: Plan, grow: bool) -> list[tuple]:
     """Storages live at the peak the plan could stop saving, best bytes per recompute
-    cost first, each as ``(-score, root, saved values, new recomputes, bytes)``.
+    second first, each as ``(score, root, saved values, new recomputes, bytes)``.
 
     A storage goes with every saved value on it (while one view stays saved, dropping
     another frees nothing); with ``grow`` also with the storages ``_grown`` adds.
@@ -316,10 +319,10 @@ def _ranked_groups(problem: Problem, plan: Plan, grow: bool) -> list[tuple]:
         if root not in pinned:
             chain = _new_recomputes(problem, plan, saved)
             size = nodes[root].bytes
-            ranked.append((-size / _seconds(problem, chain), root, frozenset(saved), chain, size))
+            ranked.append((size / _seconds(problem, chain), root, frozenset(saved), chain, size))
     if grow:
         ranked = _grown(problem, ranked)
-    ranked.sort(key=lambda t: t[:2])
+    ranked.sort(key=lambda t: (-t[0], t[1]))
     return ranked
 
 
@@ -339,18 +342,22 @@ def _grown(problem: Problem, ranked: list[tuple]) -> list[tuple]:
         for j in chain:
             if nodes[j].cost:
                 sharing.setdefault(j, []).append(root)
+
+    def added(r: int, chain: set[int]) -> float:
+        """Bytes per recompute second that storage r adds on top of ``chain``."""
+        return nodes[r].bytes / _seconds(problem, single[r][1] - chain)
+
     out = []
     for score, root, saved, chain, size in ranked:
         roots = {root}
-        while near := sorted({r for j in chain for r in sharing.get(j, ())} - roots):
-            gains = ((nodes[r].bytes / _seconds(problem, single[r][1] - chain), -r) for r in near)
-            gain, r = max(gains)
-            if gain <= -score:
+        while near := {r for j in chain for r in sharing.get(j, ())} - roots:
+            gain, _, r = max((added(r, chain), -r, r) for r in near)  # ties: the lowest r
+            if gain <= score:
                 break
-            roots.add(-r)
-            size += nodes[-r].bytes
-            saved, chain = saved | single[-r][0], chain | single[-r][1]
-            score = -size / _seconds(problem, chain)
+            roots.add(r)
+            size += nodes[r].bytes
+            saved, chain = saved | single[r][0], chain | single[r][1]
+            score = size / _seconds(problem, chain)
         out.append((score, root, saved, chain, size))
     return out
 
