@@ -19,7 +19,7 @@ DESCEND_FLIPS = 32  # flips ``descend`` simulates per round
 DESCEND_PLATEAU = 2
 DROP_STEPS = 256  # ``_drop_saves`` frees at most 1/DROP_STEPS of the store-all peak per step
 # The grown trajectory (``_grown``) runs on graphs up to this many nodes: on 2,000 it
-# adds 0.3 s to the plain one's 0.4 s; on 10,000 it took 34 s against 3.5 s, where the
+# takes 0.8 s beside the plain one's 0.4 s; on 10,000 34 s against 3.5 s, where the
 # LP bound already proves the plan within 1% (docs/solver-notes.md).
 GROWN_MAX_NODES = 5_000
 

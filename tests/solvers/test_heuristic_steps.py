@@ -52,7 +52,7 @@ def test_a_batch_is_a_prefix_of_the_ranking_with_disjoint_chains(problem, step, 
 
 
 def _attention_like() -> Problem:
-    """q, k and v are views-like cheap copies of one costly projection; a mask beside
+    """q, k and v are cheap copies of one costly projection; a mask beside
     them costs less to recompute than one of them (projection included) but more than
     the three together, per byte freed."""
     nodes = [
