@@ -71,8 +71,8 @@ class InfeasibleBudget(ValueError):
     """The budget is below the smallest peak remat can reach; ``minimum`` names it.
 
     ``proven``: a solver proved that no plan at all fits the budget (not only that it
-    found none). ``held``: bytes earlier graphs of the step (graph breaks) hold while this
-    one runs, included in ``budget``, ``minimum`` and ``store_all``. ``note``: said last.
+    found none). ``graph``: what was planned (a graph's name, or ``step (...)`` for the
+    graphs of a step planned together). ``note``: said last.
     """
 
     def __init__(
@@ -82,27 +82,17 @@ class InfeasibleBudget(ValueError):
         store_all: int,
         graph: str = "",
         proven: bool = False,
-        held: int = 0,
         note: str = "",
     ) -> None:
         self.budget, self.minimum, self.store_all = budget, minimum, store_all
-        self.proven, self.held = proven, held
-        where = f" for graph {graph}" if graph else ""
+        self.proven = proven
+        where = f" for {graph}" if graph.startswith("step") else f" for graph {graph}"
         proof = " No plan fits this budget (proven by CP-SAT)." if proven else ""
-        earlier = (
-            f" That counts {format_bytes(held)} that earlier graphs of the step (graph breaks) "
-            "hold while it runs, saved for their backward or returned: remat plans each graph "
-            "as dynamo compiles it, so they leave no room for later ones and may take more "
-            "of a larger budget. Removing the graph break (torch._dynamo.explain shows it) "
-            "lets remat plan the step as one."
-            if held
-            else ""
-        )
         super().__init__(
-            f"budget {format_bytes(budget)} is below the smallest peak remat can reach{where}: "
-            f"{format_bytes(minimum)} ({minimum} bytes, {minimum / max(store_all, 1):.1%} of the "
-            f"store-all peak {format_bytes(store_all)}).{proof} Raise the budget to at least "
-            f"{minimum} bytes.{earlier}" + (f" {note}" if note else "")
+            f"budget {format_bytes(budget)} is below the smallest peak remat can reach"
+            f"{where if graph else ''}: {format_bytes(minimum)} ({minimum} bytes, "
+            f"{minimum / max(store_all, 1):.1%} of the store-all peak {format_bytes(store_all)})."
+            f"{proof} Raise the budget to at least {minimum} bytes." + (f" {note}" if note else "")
         )
 
 
