@@ -43,9 +43,21 @@ def rewrite(
     saved_syms = [n for n in saved if is_symbolic(n)]
     fw, bw = extract_fwd_bwd_modules(joint, saved_values, saved_syms, num_fwd_outputs)
     restore_in_backward(bw)
+    _drop_unscheduled_dead_code(bw, {n.name for n in backward_nodes})
     _reorder(fw, [nodes[i].name for i in sched.forward], "forward")
     _reorder(bw, [n.name for n in backward_nodes], "backward")
     return fw, bw
+
+
+def _drop_unscheduled_dead_code(gm: fx.GraphModule, scheduled: set[str]) -> None:
+    """Erase unused nodes the schedule does not run. torch's extractor ends with a dead-code
+    pass that keeps ops it counts impure (random ones, and attention with a dropout
+    argument when called outside a compile): a copy of the forward's attention landed in
+    the backward, read by nothing."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and node.name not in scheduled:
+            graph.erase_node(node)
 
 
 # Nodes that compute nothing at run time: inputs, and tensor constants the graph holds

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,24 +11,26 @@ import torch
 from tabulate import tabulate
 from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
+from torch.utils._pytree import tree_flatten
 
 from remat.passes._torch_compat import boxed
-from remat.planner import GraphPlan, Planner, held_before, step_peak
-from remat.runs import RunTracker
-from remat.solvers import InfeasibleBudget, format_bytes
+from remat.planner import GraphPlan, Planner
+from remat.solvers import InfeasibleBudget, format_bytes, store_all
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
+from remat.steps import StepPlan, StepRunner
 
 COMPILERS = ("eager", "inductor")
 
 
 class RematBackend:
-    """A ``torch.compile`` backend that plans each graph with a ``Planner``.
+    """A ``torch.compile`` backend that plans each graph with a ``Planner`` as it is
+    compiled and, with ``compiler="eager"``, each step as one (``remat.steps``).
 
     ``compiler="eager"`` runs the rewritten fx programs as plain Python (the
     schedule is exactly the plan's); ``"inductor"`` hands remat's partition to
     inductor, which fuses kernels inside it (peak then tracks, not equals, the
-    prediction).
+    prediction), and keeps each graph's compile-time plan.
     """
 
     def __init__(
@@ -44,8 +46,8 @@ class RematBackend:
         self.compiler = compiler
         self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
         self.planner = Planner(budget, solver=solver, cost_model=cost_model)
-        # warns when a graph runs twice in a step, or its loss is computed outside it
-        self.runs = RunTracker(self.planner.warn_if_loss_outside)
+        self.steps = StepRunner(budget, solver)
+        self.planner.held_now = self.steps.held_now
 
     @property
     def graphs(self) -> list[GraphPlan]:
@@ -54,6 +56,10 @@ class RematBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
         self.compiles += 1
         self.planner.next_leaves = _leaves_needing_grad(example_inputs)
+        with self.steps.paused():  # planning mid-step allocates; the user's code did not
+            return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
         if self.compiler == "inductor":
             from torch._functorch import config as functorch_config
             from torch._inductor import config
@@ -70,21 +76,27 @@ class RematBackend:
         from torch._dynamo.backends.common import aot_autograd
 
         def compile_forward(program: torch.fx.GraphModule, _inputs):
-            return boxed(program)
+            name = program.meta.get("remat")
+            if name is None:  # an inference graph (no gradient needed): nothing planned
+                return boxed(program)
+            return self.steps.forward(self._graph(name))
 
         def compile_backward(program: torch.fx.GraphModule, _inputs):
-            return self.runs.after_backward(boxed(program), program.meta["remat"])
+            return self.steps.backward(self._graph(program.meta["remat"]))
 
-        planned = len(self.planner.graphs)
-        compiled = aot_autograd(
+        return aot_autograd(
             fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=self.planner
         )(gm, example_inputs)
-        if len(self.planner.graphs) == planned:  # an inference graph: nothing planned
-            return compiled
-        return self.runs.watch(compiled, self.planner.graphs[-1].name)
+
+    def _graph(self, name: str):
+        """The step runner's view of planned graph ``name``, made at its first use."""
+        if name not in self.steps.graphs:
+            record = next(g for g in self.planner.graphs if g.name == name)
+            self.steps.add(record, *self.planner.partitions[name])
+        return self.steps.graphs[name]
 
     def report(self) -> PlanReport:
-        return PlanReport(tuple(self.planner.graphs))
+        return PlanReport(tuple(self.planner.graphs), tuple(self.steps.plans))
 
 
 def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
@@ -152,26 +164,36 @@ def _dynamo_backend_entry(gm, example_inputs, *, options: dict | None = None, mo
 
 
 def optimize(
-    model: nn.Module,
+    model: nn.Module | Callable,
     budget: Budget,
     *,
     solver: str | Solver = "auto",
     compiler: str = "eager",
     cost_model: str = "roofline",
-) -> nn.Module:
-    """Return ``model`` compiled so one training step peaks under ``budget``.
+) -> nn.Module | Callable:
+    """Return ``model`` compiled so each training step peaks under ``budget``.
 
-    The result shares everything with ``model`` but its compiled ``forward``
-    (parameters, buffers, submodules, ``state_dict`` keys, ``training``), so an
-    optimizer built on either trains both and ``model.eval()`` switches both.
-    Planning happens at the first call, like ``torch.compile``;
-    ``result.remat.report()`` shows what was decided.
+    ``model`` is an ``nn.Module`` or, as ``torch.compile`` takes, a function: a function
+    that computes the loss (``lambda x, y: F.cross_entropy(model(x), y)``) puts the loss
+    in the plan. A module's result shares everything with ``model`` but its compiled
+    ``forward`` (parameters, buffers, submodules, ``state_dict`` keys, ``training``), so
+    an optimizer built on either trains both and ``model.eval()`` switches both.
+    Planning happens at the first call, like ``torch.compile``, and the whole step is
+    planned as one at the end of the first (``remat.steps``); ``result.remat.report()``
+    shows what was decided.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
-    optimized = _compiled_copy(model, rb)  # ``optimized.remat`` is ``rb``
-    return optimized
+    if isinstance(model, nn.Module):
+        return _compiled_copy(model, rb)  # ``optimized.remat`` is ``rb``
+    if not callable(model):
+        raise TypeError(
+            f"optimize expects an nn.Module or a function, got {type(model).__name__}"
+        )
+    name = getattr(model, "__qualname__", type(model).__name__)
+    compiled = _guarded(torch.compile(model, backend=rb, dynamic=False), rb, name)
+    functools.update_wrapper(compiled, model)
+    compiled.remat = rb
+    return compiled
 
 
 class NothingCompiled(RuntimeError):
@@ -179,7 +201,7 @@ class NothingCompiled(RuntimeError):
 
     def __init__(self, model_name: str) -> None:
         super().__init__(
-            f"remat planned nothing for {model_name}.forward: torch.compile captured no graph "
+            f"remat planned nothing for {model_name}: torch.compile captured no graph "
             "from it and ran it eagerly, outside remat's budget. TORCH_LOGS=graph_breaks "
             "names the reason; nn.LSTM, nn.GRU and nn.RNN, for one, make dynamo skip the "
             "whole forward unless torch._dynamo.config.allow_rnn = True (GRU then trains "
@@ -193,7 +215,7 @@ class RecompileLimitHit(RuntimeError):
 
     def __init__(self, model_name: str, limit: int) -> None:
         super().__init__(
-            f"torch.compile hit dynamo's recompile limit ({limit}) on {model_name}.forward, "
+            f"torch.compile hit dynamo's recompile limit ({limit}) on {model_name}, "
             "so this step would run eagerly, outside remat's budget. Every remat.optimize "
             f"of a {model_name} in one process, and every new input shape, compiles that "
             "forward once more. Raise torch._dynamo.config.recompile_limit, call "
@@ -220,27 +242,13 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
             f"{cls.__name__} sets forward on the instance; remat compiles the class's forward "
             "(define it on the class)"
         )
-    compiled = torch.compile(model.forward, backend=rb, dynamic=False)
-    dynamo = torch._dynamo.config
+    compiled = _guarded(
+        torch.compile(model.forward, backend=rb, dynamic=False), rb, f"{cls.__name__}.forward"
+    )
 
     @functools.wraps(cls.forward)
     def forward(self, *args, **kwargs):
-        try:
-            # Past its recompile limit dynamo would run the step eagerly, outside the
-            # budget, with only a log warning: fail instead (unless errors are suppressed,
-            # which dynamo does not allow together with this).
-            with dynamo.patch(fail_on_recompile_limit_hit=not dynamo.suppress_errors):
-                out = compiled(*args, **kwargs)
-        except BackendCompilerFailed as failure:
-            # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
-            if isinstance(failure.inner_exception, (InfeasibleBudget, ValueError)):
-                raise failure.inner_exception from None
-            raise
-        except FailOnRecompileLimitHit as hit:
-            raise RecompileLimitHit(cls.__name__, dynamo.recompile_limit) from hit
-        if not rb.compiles:  # dynamo skipped the whole frame: it will at every call
-            raise NothingCompiled(cls.__name__)
-        return out
+        return compiled(*args, **kwargs)
 
     def __deepcopy__(self, memo):
         # A copy's forward would still run ``model`` (``compiled`` is bound to it).
@@ -258,6 +266,33 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
     return optimized
 
 
+def _guarded(compiled: Callable, rb: RematBackend, name: str) -> Callable:
+    """``compiled`` raising what the user must fix, never running eagerly unplanned."""
+    dynamo = torch._dynamo.config
+
+    def run(*args, **kwargs):
+        rb.steps.entering()
+        try:
+            # Past its recompile limit dynamo would run the step eagerly, outside the
+            # budget, with only a log warning: fail instead (unless errors are suppressed,
+            # which dynamo does not allow together with this).
+            with dynamo.patch(fail_on_recompile_limit_hit=not dynamo.suppress_errors):
+                out = compiled(*args, **kwargs)
+        except BackendCompilerFailed as failure:
+            # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
+            if isinstance(failure.inner_exception, (InfeasibleBudget, ValueError)):
+                raise failure.inner_exception from None
+            raise
+        except FailOnRecompileLimitHit as hit:
+            raise RecompileLimitHit(name, dynamo.recompile_limit) from hit
+        if not rb.compiles:  # dynamo skipped the whole frame: it will at every call
+            raise NothingCompiled(name)
+        rb.steps.returned()
+        return out
+
+    return run
+
+
 def plan(
     model: nn.Module,
     example_inputs: Sequence,
@@ -267,45 +302,82 @@ def plan(
     cost_model: str = "roofline",
     example_kwargs: Mapping[str, Any] | None = None,
 ) -> PlanReport:
-    """Plan ``model`` on ``example_inputs`` (and ``example_kwargs``: Hugging Face models
-    take ``input_ids=``, ``labels=``) without training it.
+    """Plan ``model``'s training step on ``example_inputs`` (and ``example_kwargs``: Hugging
+    Face models take ``input_ids=``, ``labels=``) without training it.
 
-    Tracing needs one forward pass; buffers it updates (BatchNorm statistics)
-    are restored afterwards, and no gradient is computed.
+    Runs one step: the forward, and a backward from its output (a loss; from a non-scalar
+    output, a gradient of ones), so the step is planned as one. Buffers the forward
+    updates (BatchNorm statistics) and the parameters' ``.grad`` are restored afterwards.
     """
     rb = backend(budget, solver=solver, cost_model=cost_model)
     traced = _compiled_copy(model, rb)
     snapshot = {k: v.detach().clone() for k, v in model.named_buffers()}
+    grads = {p: p.grad for p in model.parameters()}
     try:
-        traced(*example_inputs, **(example_kwargs or {}))
+        out = traced(*example_inputs, **(example_kwargs or {}))
+        roots = [t for t in tree_flatten(out)[0] if _differentiable(t)]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     finally:
         with torch.no_grad():
             for k, v in model.named_buffers():
                 v.copy_(snapshot[k])
+        for p, g in grads.items():
+            p.grad = g
         torch._dynamo.reset()
     return rb.report()
 
 
+def _differentiable(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+
+
 @dataclass(frozen=True)
 class PlanReport:
-    """Plans of every graph of a model, printable as a table."""
+    """Plans of every graph of a model (as compiled, for its first step) and of every
+    step planned as one, printable as a table."""
 
     graphs: tuple[GraphPlan, ...]
+    steps: tuple[StepPlan, ...] = ()
 
     @property
     def predicted_peak(self) -> int:
-        """The step's predicted peak: with graph breaks, each graph's plus what the other
-        graphs of its step hold meanwhile (``planner.step_peak``); the largest over every
-        input shape planned so far (each recompile is a step of its own)."""
-        return step_peak(self.graphs, lambda g: g.plan)
+        """The predicted peak of a step from the second on: its joint plan's, the largest
+        over every kind of step planned (each input shape is one). Before a step ended,
+        the largest graph's own."""
+        if self.steps:
+            return max(s.plan.peak for s in self.steps)
+        return max(g.plan.peak for g in self.graphs)
 
-    def held_before(self, graph: GraphPlan) -> int:
-        """What the earlier graphs of ``graph``'s step hold while it runs."""
-        return held_before(graph, self.graphs, lambda g: g.plan)
+    @property
+    def first_step_peak(self) -> int:
+        """What the first step (each graph under its compile-time plan, the step recorded)
+        peaks at, predicted with what the code between the graphs was measured to hold."""
+        return max(s.first_peak for s in self.steps)
 
     @property
     def store_all_peak(self) -> int:
-        return step_peak(self.graphs, lambda g: g.store_all)
+        if self.steps:
+            return max(store_all(s.composed.problem).peak for s in self.steps)
+        return max(g.store_all.peak for g in self.graphs)
+
+    def step_rows(self) -> list[dict]:
+        out = []
+        for s in self.steps:
+            p = s.plan
+            out.append(
+                {
+                    "step": ", ".join(s.graphs),
+                    "budget": format_bytes(s.budget),
+                    "predicted peak": format_bytes(p.peak),
+                    "first step": format_bytes(s.first_peak),
+                    "store-all peak": format_bytes(store_all(s.composed.problem).peak),
+                    "solver": f"{p.solver} ({p.status}"
+                    + ("" if p.gap is None else f", gap {p.gap:.1%}")
+                    + ")",
+                }
+            )
+        return out
 
     def rows(self) -> list[dict]:
         out = []
@@ -335,4 +407,7 @@ class PlanReport:
     def __str__(self) -> str:
         if not self.graphs:
             return "PlanReport(no graph compiled yet: call the model once)"
-        return tabulate(self.rows(), headers="keys", tablefmt="simple")
+        graphs = tabulate(self.rows(), headers="keys", tablefmt="simple")
+        if not self.steps:
+            return graphs + "\n(no step has ended yet: the step is planned as one after the first)"
+        return graphs + "\n\n" + tabulate(self.step_rows(), headers="keys", tablefmt="simple")

@@ -1,0 +1,493 @@
+"""The training step as remat runs it: one plan for every graph run of a step.
+
+A user's step may run several compiled graphs (graph breaks), one graph several times
+(a module called twice, a graph break inside a loop), and code remat does not compile
+between them (a loss computed on the returned logits). dynamo compiles graphs lazily,
+so the step becomes known only by running it:
+
+1. **The first step** runs each graph under the plan made when dynamo compiled it (the
+   budget less what the runs before it in the step hold; a graph that cannot fit what is
+   left takes its lowest-peak plan), and records the step: which graphs ran, in what
+   order, which gradient of one fed another's backward, and the bytes the code between
+   them held (``OutsideMemory``).
+2. **At its end** (the last waiting backward returned) the recorded runs are composed
+   into one problem (``solvers.step``) and solved against the budget: the step's joint
+   plan, a program pair per run, or ``InfeasibleBudget`` naming the step's minimum.
+   A step of one run whose first plan already fits is not solved again.
+3. **From the next step on** each run takes its program from the joint plan of the
+   recorded step its runs so far match. A step that matches none (new shapes, another
+   path through the code) runs the compile-time plans and is recorded like the first.
+
+Each run's forward saves, before its saved values, an empty tensor whose shape names
+the run and the program it ran, so its backward runs the matching program even when
+the plans changed in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from remat.passes._torch_compat import boxed, storage_of
+from remat.passes.extract import is_tangent
+from remat.passes.rewrite import rewrite
+from remat.solvers import InfeasibleBudget, Plan, evaluate, held_bytes, solve
+from remat.solvers.step import Composed, Link, Outside, Step, compose, joint_saved, split
+
+log = logging.getLogger("remat")
+
+
+@dataclass
+class Program:
+    """One plan of a graph as runnable programs, with what its backward is fed and returns."""
+
+    plan: Plan
+    forward: Callable
+    backward: Callable
+    tangents: tuple[tuple[int, int], ...]  # (backward argument, problem node) per tangent
+    grads: tuple[int | None, ...]  # problem node of each returned gradient
+
+
+@dataclass
+class Graph:
+    """A compiled graph and the programs its runs may take (``programs[0]``: the plan made
+    at compile time)."""
+
+    record: object  # planner.GraphPlan
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    programs: list[Program] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def problem(self):
+        return self.record.extracted.problem
+
+    def program_for(self, plan: Plan) -> int:
+        """The index of the program running ``plan``'s saved set, built if new."""
+        for k, p in enumerate(self.programs):
+            if p.plan.saved == plan.saved:
+                return k
+        fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
+        self.programs.append(make_program(plan, fw, bw, self.record.extracted))
+        return len(self.programs) - 1
+
+
+def make_program(plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule, extracted) -> Program:
+    where = {n.name: i for i, n in enumerate(extracted.fx_nodes)}
+    inputs = bw.graph.find_nodes(op="placeholder")
+    tangents = tuple((k, where[p.name]) for k, p in enumerate(inputs) if is_tangent(p))
+    returned = bw.graph.output_node().args[0]
+    grads = tuple(
+        where.get(g.name) if isinstance(g, fx.Node) else None for g in returned
+    )
+    return Program(plan, boxed(fw), boxed(bw), tangents, grads)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The joint plan of a recorded step: per run, its graph and program."""
+
+    graphs: tuple[str, ...]  # per run, in forward order
+    programs: tuple[int, ...]  # per run, the index into its graph's programs
+    composed: Composed
+    plan: Plan  # of ``composed.problem``
+    first_peak: int  # what the recorded (first) step's plans peak at, predicted
+    budget: int
+
+    @property
+    def runs(self) -> int:
+        return len(self.graphs)
+
+
+class OutsideMemory(TorchDispatchMode):
+    """Bytes of the storages code outside remat's programs allocates during a recorded
+    step, live and at their peak. On only between remat's programs (``active``); a storage
+    is counted until it dies (a weak reference on it). ``ignore_compile_internals``: dynamo
+    compiles and runs graphs under it (it does not fall back to eager as it does for other
+    dispatch modes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.level = 0
+        self.peak = 0
+        self.live: dict[int, int] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.active:
+            read = {_key(t) for t in tree_flatten((args, kwargs))[0] if _real(t)}
+            for t in tree_flatten(out)[0]:
+                if _real(t) and _key(t) not in read:  # a new storage, not a view or in-place
+                    self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        nbytes = storage.nbytes()
+        self.live[key] = nbytes
+        self.level += nbytes
+        self.peak = max(self.peak, self.level)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        nbytes = self.live.pop(key, None)
+        if nbytes is not None:
+            self.level -= nbytes
+
+    def forget(self, tensors: Sequence) -> None:
+        """Stop counting ``tensors`` (a backward's tangents: its problem counts them)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._freed(t.untyped_storage()._cdata)
+
+    def section(self) -> tuple[int, int]:
+        """A program starts: the level live through it and the peak since the last one."""
+        self.active = False
+        level, peak, self.peak = self.level, self.peak, self.level
+        return level, max(peak, level)
+
+    def resume(self) -> None:
+        self.peak = self.level
+        self.active = True
+
+    def stop(self) -> None:
+        """The step ended: inactive, it passes calls through until the next call of the
+        compiled function pops it (``StepRunner.entering``)."""
+        self.active = False
+
+
+def _real(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_meta
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _pop_if_top(mode: TorchDispatchMode) -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
+
+    if _get_current_dispatch_mode() is mode:
+        _pop_mode()
+
+
+def _push_if_not_top(mode: TorchDispatchMode) -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _push_mode
+
+    if _get_current_dispatch_mode() is not mode:
+        _push_mode(mode)
+
+
+@dataclass
+class _Run:
+    graph: Graph
+    program: int
+    position: int
+    done: bool = False
+    backward_section: int | None = None
+
+
+@dataclass
+class _Recording:
+    """The step in progress."""
+
+    outside: OutsideMemory | None
+    runs: list[_Run] = field(default_factory=list)
+    backward_order: list[int] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    gradients: dict = field(default_factory=dict)  # storage -> (run, node) returned
+    links: list[Link] = field(default_factory=list)
+    irregular: str = ""  # why the step cannot be planned as one, if it cannot
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        return tuple(r.graph.name for r in self.runs)
+
+    @property
+    def waiting(self) -> int:
+        return sum(not r.done for r in self.runs)
+
+
+class StepRunner:
+    """Runs the graphs of one compiled model step by step (module docstring)."""
+
+    def __init__(self, budget, solver) -> None:
+        self.budget, self.solver = budget, solver
+        self.graphs: dict[str, Graph] = {}
+        self.plans: list[StepPlan] = []
+        self.step: _Recording | None = None
+        self.record_next = True
+        self._runs = 0  # run ids, for the markers
+        self._live: dict[int, tuple[_Recording, int]] = {}
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ compile time
+
+    def add(self, record, joint, num_fwd_outputs, fw, bw) -> Graph:
+        graph = Graph(record, joint, num_fwd_outputs)
+        graph.programs.append(make_program(record.plan, fw, bw, record.extracted))
+        self.graphs[record.name] = graph
+        return graph
+
+    def held_now(self) -> int:
+        """What the runs of the step in progress hold while a newly compiled graph runs."""
+        if self.step is None:
+            return 0
+        return sum(
+            held_bytes(r.graph.problem, r.graph.programs[r.program].plan)
+            for r in self.step.runs
+            if not r.done
+        )
+
+    def forward(self, graph: Graph) -> Callable:
+        """The boxed forward AOTAutograd calls for ``graph``."""
+
+        def run(args: list):
+            if _fake(args):  # DDP's optimizer runs graphs on fake tensors while compiling
+                return graph.programs[0].forward(args)
+            step = self._step(graph)
+            if any(r.done for r in step.runs) and not step.irregular:
+                step.irregular = f"{graph.name} ran after a backward of the same step"
+            k = self._choose(step, graph)
+            self._section(step)
+            outs = list(graph.programs[k].forward(args))
+            self._runs += 1
+            marker = torch.empty((0, self._runs, k))
+            weakref.finalize(marker, self._dropped, self._runs)
+            outs.insert(graph.num_fwd_outputs, marker)
+            self._live[self._runs] = (step, len(step.runs))
+            step.runs.append(_Run(graph, k, len(step.runs)))
+            self._resume(step)
+            return outs
+
+        run._boxed_call = True
+        return run
+
+    def backward(self, graph: Graph) -> Callable:
+        """The boxed backward AOTAutograd calls for ``graph``."""
+
+        def run(args: list):
+            marker = args.pop(0)
+            if not (isinstance(marker, torch.Tensor) and marker.dim() == 3 and not marker.numel()):
+                raise AssertionError(f"remat {graph.name}: backward without its run's marker")
+            run_id, k = marker.shape[1], marker.shape[2]
+            program = graph.programs[k]
+            found = self._live.pop(run_id, None)
+            if found is None or found[0] is not self.step:
+                return program.backward(args)
+            step, position = found
+            # no reference to a tangent may outlive this: the program frees each after use
+            self._backward_section(step, position, [(args[a], n) for a, n in program.tangents])
+            grads = program.backward(args)
+            for g, node in zip(grads, program.grads, strict=False):
+                key = storage_of(g)
+                if key is not None and node is not None:
+                    step.gradients.setdefault(key, (position, node))
+            step.runs[position].done = True
+            if step.waiting:
+                self._resume(step)
+            else:
+                self._end(step)
+            return grads
+
+        run._boxed_call = True
+        return run
+
+    # ------------------------------------------------------------------ the step
+
+    def _step(self, first: Graph) -> _Recording:
+        """The step in progress, or a new one starting with ``first``: recorded when no
+        joint plan starts with it (a new input shape) or the last unplanned step was not."""
+        if self.step is None:
+            known = any(p.graphs[0] == first.name for p in self.plans)
+            record = self.record_next or not known
+            self.step = _Recording(OutsideMemory() if record else None)
+        return self.step
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Planning a graph mid-step: its own allocations are not the user's code's."""
+        outside = self.step.outside if self.step is not None else None
+        was = outside is not None and outside.active
+        if was:
+            outside.active = False
+        try:
+            yield
+        finally:
+            if was:
+                outside.active = True
+
+    def _choose(self, step: _Recording, graph: Graph) -> int:
+        """The program of the step's next run: from the latest joint plan whose runs so far
+        are this step's, else the graph's compile-time one."""
+        prefix = (*step.signature, graph.name)
+        for plan in reversed(self.plans):
+            if plan.graphs[: len(prefix)] == prefix:
+                return plan.programs[len(prefix) - 1]
+        return 0
+
+    def _section(self, step: _Recording) -> None:
+        if step.outside is not None:
+            level, peak = step.outside.section()
+            step.levels.append(level)
+            step.peaks.append(peak)
+
+    def _resume(self, step: _Recording) -> None:
+        if step.outside is not None:
+            step.outside.resume()
+
+    def entering(self) -> None:
+        """The user calls the compiled function (``remat.optimize``'s wrapper): any
+        ``OutsideMemory`` (this model's or another's, left by a step that ended or failed)
+        comes off the dispatch mode stack first. Modes are pushed and popped only here and
+        in ``returned``, outside compiled frames: AOTAutograd wraps its first run in a mode
+        of its own, whose exit pops whatever is on top."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
+
+        while isinstance(_get_current_dispatch_mode(), OutsideMemory):
+            _pop_mode()
+
+    def returned(self) -> None:
+        """The compiled function returned to the user's code: the step's ``OutsideMemory``
+        goes on the stack, to count what the code after it (a loss on its output, its
+        backward) allocates. Graph-break glue inside the function is not counted."""
+        if self.step is not None and self.step.outside is not None and self.step.outside.active:
+            _push_if_not_top(self.step.outside)
+
+    def _backward_section(self, step: _Recording, position: int, tangents) -> None:
+        if step.outside is not None:
+            step.outside.forget([t for t, _ in tangents])
+        self._section(step)
+        step.backward_order.append(position)
+        for t, node in tangents:
+            source = step.gradients.get(storage_of(t))
+            if source is not None:
+                step.links.append(Link(source[0], source[1], position, node))
+
+    def _dropped(self, run_id: int) -> None:
+        """A run's autograd graph was freed without its backward (its output dropped)."""
+        found = self._live.pop(run_id, None)
+        if found is None:
+            return
+        step, position = found
+        step.runs[position].done = True
+        if not step.irregular:
+            step.irregular = f"{step.runs[position].graph.name} ran without a backward"
+        if step is self.step and not step.waiting:
+            self._end(step)
+
+    def _end(self, step: _Recording) -> None:
+        self.step = None
+        if step.outside is not None:
+            last = step.outside.section()[1]
+            step.outside.stop()
+            step.peaks.append(last)
+        if any(p.graphs == step.signature for p in self.plans):
+            return
+        if step.outside is None:
+            self.record_next = True  # a new kind of step, not measured: record the next
+            return
+        self.record_next = False
+        if step.irregular:
+            if step.irregular not in self._warned:
+                self._warned.add(step.irregular)
+                log.warning(
+                    "remat: this step cannot be planned as one (%s): its graphs keep the "
+                    "plans made as they were compiled, and its memory may exceed the budget.",
+                    step.irregular,
+                )
+            return
+        self.plans.append(self._solve(step))
+
+    def _solve(self, step: _Recording) -> StepPlan:
+        runs = step.runs
+        problems = tuple(r.graph.problem for r in runs)
+        order = tuple(step.backward_order)
+        accumulate = _accumulate(runs, order)
+        outside = Outside(tuple(step.levels), tuple(step.peaks))
+        shape = Step(problems, order, tuple(step.links), accumulate, outside)
+        names = ", ".join(r.graph.name for r in runs)
+        composed = compose(shape, name=f"step ({names})")
+        used = tuple(r.graph.programs[r.program].plan.saved for r in runs)
+        first = evaluate(composed.problem, joint_saved(composed, used), solver="compile-time")
+        log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
+        if len(runs) == 1 and first.peak <= _limit(self.budget, composed):
+            plan = first
+            programs = (runs[0].program,)
+        else:
+            try:
+                plan = solve(composed.problem, self.budget, self.solver)
+            except InfeasibleBudget as refusal:
+                raise _in_step_terms(refusal, runs) from None
+            saved = split(composed, plan)
+            programs = tuple(
+                r.graph.program_for(evaluate(r.graph.problem, s, solver=plan.solver))
+                for r, s in zip(runs, saved, strict=True)
+            )
+            log.info("remat: step (%s) planned as one: %s", names, plan)
+        return StepPlan(
+            tuple(r.graph.name for r in runs),
+            programs,
+            composed,
+            plan,
+            first.peak,
+            _limit(self.budget, composed),
+        )
+
+
+def _limit(budget, composed: Composed) -> int:
+    from remat.solvers import resolve_budget, store_all
+
+    return resolve_budget(budget, store_all(composed.problem).peak)
+
+
+def _accumulate(runs: list[_Run], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Per run: the largest parameter it shares with a run whose backward ran before its
+    own (autograd sums the two gradients into a new tensor before freeing the old)."""
+    out = [0] * len(runs)
+    seen: set = set()
+    for position in order:
+        leaves = runs[position].graph.record.leaves
+        out[position] = max((b for ident, b in leaves if (ident, b) in seen), default=0)
+        seen |= leaves
+    return tuple(out)
+
+
+def _in_step_terms(refusal: InfeasibleBudget, runs: list[_Run]) -> InfeasibleBudget:
+    names = ", ".join(r.graph.name for r in runs)
+    note = (
+        ""
+        if len(runs) == 1
+        else f"The step runs {len(runs)} graphs ({names}), planned together: the minimum is "
+        "the whole step's."
+    )
+    r = refusal
+    where = f"step ({names})"
+    return InfeasibleBudget(r.budget, r.minimum, r.store_all, where, r.proven, note=note)
+
+
+def _fake(args: Sequence) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(a, FakeTensor) for a in args)
