@@ -520,11 +520,14 @@ def _remat_columns(row: Row, report) -> None:
     graphs = report.graphs
     row.graphs = len(graphs)
     row.predicted_peak = report.predicted_peak
-    row.budget_bytes = max(report.held_before(g) + g.budget for g in graphs)
-    row.plan_s = sum(g.plan_seconds for g in graphs)
-    gaps = [g.plan.gap for g in graphs]
+    # the step's joint plans where a step ended, else the graphs' compile-time ones
+    plans = [s.plan for s in report.steps] or [g.plan for g in graphs]
+    row.budget_bytes = max([s.budget for s in report.steps] or [g.budget for g in graphs])
+    solves = sum(s.plan.solve_seconds for s in report.steps)
+    row.plan_s = sum(g.plan_seconds for g in graphs) + solves
+    gaps = [p.gap for p in plans]
     row.gap = None if any(x is None for x in gaps) else max(gaps, default=None)
-    row.status = ",".join(sorted({g.plan.status for g in graphs}))
+    row.status = ",".join(sorted({p.status for p in plans}))
 
 
 # ----------------------------------------------------------------------------- pareto
@@ -540,13 +543,12 @@ def pareto_budgets(
 ) -> tuple[list[int | float], dict[str, int]]:
     """``points`` budgets from remat's store-all peak down to its smallest reachable peak.
 
-    One trace (``remat.plan`` at budget 1.0). With one graph the budgets are bytes, evenly
-    spaced from the store-all peak to ``min_peak_plan(problem).peak``; with graph breaks they
-    are fractions down to the largest per-graph minimum fraction (rounded up, so the lowest
-    is still feasible). Also returns ``{"store_all": ..., "minimum": ...}`` (bytes, graph 0).
+    One planned step (``remat.plan`` at budget 1.0): bytes, evenly spaced from the step's
+    store-all peak to ``min_peak_plan`` of the step planned as one (graph breaks included).
+    Also returns ``{"store_all": ..., "minimum": ...}`` (bytes).
     """
     import remat
-    from remat.solvers import min_peak_plan
+    from remat.solvers import min_peak_plan, store_all
 
     if points < 2:
         raise ValueError(f"need at least 2 points, got {points}")
@@ -558,17 +560,11 @@ def pareto_budgets(
         report = remat.plan(model, inputs, budget=1.0, cost_model=cost_model)
     finally:
         torch._dynamo.reset()
-    graphs = report.graphs
-    minima = [min_peak_plan(g.extracted.problem).peak for g in graphs]
-    stores = [g.store_all.peak for g in graphs]
-    info = {"store_all": stores[0], "minimum": minima[0]}
-    if len(graphs) == 1:
-        hi, lo = stores[0], minima[0]
-        values = sorted({round(hi - (hi - lo) * k / (points - 1)) for k in range(points)})
-        return values[::-1], info
-    low = max(m / s for m, s in zip(minima, stores, strict=True))
-    low = math.ceil(low * 1e4) / 1e4
-    return [1.0 - (1.0 - low) * k / (points - 1) for k in range(points)], info
+    steps = report.steps
+    problem = steps[0].composed.problem if steps else report.graphs[0].extracted.problem
+    hi, lo = store_all(problem).peak, min_peak_plan(problem).peak
+    values = sorted({round(hi - (hi - lo) * k / (points - 1)) for k in range(points)})
+    return values[::-1], {"store_all": hi, "minimum": lo}
 
 
 def dominates(rows: Sequence[Row], *, slack: float = 1.02) -> list[tuple[Row, Row | None]]:

@@ -19,7 +19,8 @@ updating its running statistics), because that is the step remat rewrites.
   from small configs with random weights (nothing is downloaded), so benchmarks also run on
   code nobody here wrote. They need the ``transformers`` extra (``pip install -e
   '.[transformers]'``). Their ``blocks`` are the HF decoder layers, which take extra keyword
-  arguments (masks, position embeddings) besides the hidden states.
+  arguments (masks, position embeddings) besides the hidden states. ``hf-gpt2-labels`` is
+  ``hf-gpt2`` as shipped: dynamo breaks its graph before the loss, so a step runs two graphs.
 
 Every factory takes its sizes as keyword arguments with small defaults (one eager forward and
 backward well under a second on two CPU cores), ``seed`` (weights and inputs are a function of
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EXAMPLES", "cnn", "gpt", "hf_gpt2", "hf_llama", "load", "mlp", "unet"]
+__all__ = ["EXAMPLES", "cnn", "gpt", "hf_gpt2", "hf_gpt2_labels", "hf_llama", "load", "mlp", "unet"]
 
 
 def _build(seed: int, device: str | torch.device, make: Callable[[torch.Generator], tuple]):
@@ -390,11 +391,13 @@ class HFCausalLM(nn.Module):
     (HF shifts the labels by one token inside). ``blocks`` is the model's list of decoder
     layers (a property, so parameters and ``state_dict`` keys appear once)."""
 
-    def __init__(self, lm: nn.Module, blocks_path: str):
+    def __init__(self, lm: nn.Module, blocks_path: str, *, as_shipped: bool = False):
         super().__init__()
-        # GPT2LMHeadModel has no loss type of its own: HF would warn at the first call, and
-        # that warning is a graph break, splitting the step in two graphs.
-        lm.loss_type = "ForCausalLM"
+        # GPT2LMHeadModel has no loss type of its own: HF warns at the first call, and that
+        # warning is a graph break before the loss. ``as_shipped`` keeps it, as a user's
+        # model has it: two graphs in the step.
+        if not as_shipped:
+            lm.loss_type = "ForCausalLM"
         self.lm = lm
         self._blocks_path = blocks_path
 
@@ -428,9 +431,12 @@ def hf_gpt2(
     attn: str = "sdpa",
     seed: int = 0,
     device: str | torch.device = "cpu",
+    graph_break: bool = False,
 ) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Hugging Face GPT-2 (``GPT2LMHeadModel``, tied lm_head) from a ``GPT2Config`` with
-    random weights; input ``(input_ids[batch, seq] int64,)``. Needs ``transformers``."""
+    random weights; input ``(input_ids[batch, seq] int64,)``. Needs ``transformers``.
+    ``graph_break``: called with ``labels=`` as shipped, dynamo breaks the graph before the
+    loss (``hf-gpt2-labels``)."""
     transformers = _transformers()
 
     def make(gen):
@@ -447,10 +453,18 @@ def hf_gpt2(
             embd_pdrop=dropout,
             attn_pdrop=dropout,
         )
-        model = HFCausalLM(transformers.GPT2LMHeadModel(config), "transformer.h")
+        lm = transformers.GPT2LMHeadModel(config)
+        model = HFCausalLM(lm, "transformer.h", as_shipped=graph_break)
         return model, (torch.randint(0, vocab, (batch, seq), generator=gen),)
 
     return _build(seed, device, make)
+
+
+def hf_gpt2_labels(**sizes) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """``hf_gpt2`` (same sizes) with its graph break: ``GPT2LMHeadModel`` called with
+    ``labels=`` as shipped, so dynamo splits the step into the model's graph and the
+    loss's. Needs ``transformers``."""
+    return hf_gpt2(graph_break=True, **sizes)
 
 
 def hf_llama(
@@ -499,6 +513,7 @@ EXAMPLES: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
     "gpt": gpt,
     "unet": unet,
     "hf-gpt2": hf_gpt2,
+    "hf-gpt2-labels": hf_gpt2_labels,
     "hf-llama": hf_llama,
 }
 

@@ -150,7 +150,10 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, needles):
 def test_unknown_model_lists_builtins(capsys):
     code, _, err = run(capsys, "inspect", "resnet9000", "-q")
     assert_usage_error(
-        code, err, "unknown model 'resnet9000'", "cnn, gpt, hf-gpt2, hf-llama, mlp, unet"
+        code,
+        err,
+        "unknown model 'resnet9000'",
+        "cnn, gpt, hf-gpt2, hf-gpt2-labels, hf-llama, mlp, unet",
     )
 
 

@@ -19,6 +19,7 @@ SMALL = {
     "gpt": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
     "unet": dict(batch=2, image=16, base=8),
     "hf-gpt2": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
+    "hf-gpt2-labels": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
     "hf-llama": dict(layers=2, d_model=32, heads=2, seq=16, vocab=64),
 }
 
@@ -32,7 +33,7 @@ def _step(model, inputs, seed=1234):
 
 
 def test_registry_names():
-    assert NAMES == ["cnn", "gpt", "hf-gpt2", "hf-llama", "mlp", "unet"]
+    assert NAMES == ["cnn", "gpt", "hf-gpt2", "hf-gpt2-labels", "hf-llama", "mlp", "unet"]
     for name in NAMES:
         assert EXAMPLES[name] is getattr(examples, name.replace("-", "_"))
 
