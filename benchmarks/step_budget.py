@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             rows.append({"fraction of eager": f"{fraction} -> minimum", **retry})
     print(f"eager: peak {format_bytes(eager)}, step {eager_s:.3f}s", file=sys.stderr)
     shown = [
-        {k: format_bytes(v) if "peak" in k or k in ("budget", "predicted", "refused") else v
+        {k: format_bytes(v) if "peak" in k or "predicted" in k or k in ("budget", "refused") else v
          for k, v in r.items()}
         for r in rows
     ]

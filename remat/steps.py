@@ -26,6 +26,7 @@ the plans changed in between.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -432,8 +433,10 @@ class StepRunner:
         used = tuple(r.graph.programs[r.program].plan.saved for r in runs)
         first = evaluate(composed.problem, joint_saved(composed, used), solver="compile-time")
         log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
-        if len(runs) == 1 and first.peak <= _limit(self.budget, composed):
-            plan = first
+        limit = _limit(self.budget, composed)
+        if len(runs) == 1 and first.peak <= limit:
+            compiled = runs[0].graph.programs[runs[0].program].plan
+            plan = _kept(first, compiled, limit)
             programs = (runs[0].program,)
         else:
             try:
@@ -447,13 +450,19 @@ class StepRunner:
             )
             log.info("remat: step (%s) planned as one: %s", names, plan)
         return StepPlan(
-            tuple(r.graph.name for r in runs),
-            programs,
-            composed,
-            plan,
-            first.peak,
-            _limit(self.budget, composed),
+            tuple(r.graph.name for r in runs), programs, composed, plan, first.peak, limit
         )
+
+
+def _kept(first: Plan, compiled: Plan, limit: int) -> Plan:
+    """A one-run step keeping the plan its graph was compiled with. Its status and bound
+    carry over when the step's limit is within the graph's budget: outside memory only
+    adds to a peak, so every plan that fits the step fit the graph."""
+    if compiled.budget is not None and limit <= compiled.budget:
+        return dataclasses.replace(
+            first, solver=compiled.solver, status=compiled.status, bound=compiled.bound
+        )
+    return dataclasses.replace(first, solver=f"{compiled.solver} (compile-time)")
 
 
 def _limit(budget, composed: Composed) -> int:
