@@ -86,13 +86,13 @@ class Graph:
 
 
 def make_program(plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule, extracted) -> Program:
+    """``plan``'s programs, with their tangent inputs and returned gradients as problem
+    nodes (what ``Link``s are made of)."""
     where = {n.name: i for i, n in enumerate(extracted.fx_nodes)}
     inputs = bw.graph.find_nodes(op="placeholder")
     tangents = tuple((k, where[p.name]) for k, p in enumerate(inputs) if is_tangent(p))
     returned = bw.graph.output_node().args[0]
-    grads = tuple(
-        where.get(g.name) if isinstance(g, fx.Node) else None for g in returned
-    )
+    grads = tuple(where.get(g.name) if isinstance(g, fx.Node) else None for g in returned)
     return Program(plan, boxed(fw), boxed(bw), tangents, grads)
 
 
@@ -185,13 +185,6 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _pop_if_top(mode: TorchDispatchMode) -> None:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
-
-    if _get_current_dispatch_mode() is mode:
-        _pop_mode()
-
-
 def _push_if_not_top(mode: TorchDispatchMode) -> None:
     from torch.utils._python_dispatch import _get_current_dispatch_mode, _push_mode
 
@@ -203,9 +196,7 @@ def _push_if_not_top(mode: TorchDispatchMode) -> None:
 class _Run:
     graph: Graph
     program: int
-    position: int
     done: bool = False
-    backward_section: int | None = None
 
 
 @dataclass
@@ -278,7 +269,7 @@ class StepRunner:
             weakref.finalize(marker, self._dropped, self._runs)
             outs.insert(graph.num_fwd_outputs, marker)
             self._live[self._runs] = (step, len(step.runs))
-            step.runs.append(_Run(graph, k, len(step.runs)))
+            step.runs.append(_Run(graph, k))
             self._resume(step)
             return outs
 
