@@ -14,6 +14,7 @@ refused: a plan is for concrete shapes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -41,7 +42,8 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.budget import Budget
-from remat.solvers.solve import Solver
+from remat.solvers.cpsat import cpsat
+from remat.solvers.solve import CPSAT_SOLVERS, Solver
 
 log = logging.getLogger("remat")
 
@@ -184,17 +186,19 @@ class Planner:
     def _first_plan(self, problem, limit: int, name: str, held: int) -> Plan:
         """The plan under ``limit``, or where none fits, the lowest-peak plan: the step is
         planned as one at its end, which then fits the budget or names the step's minimum."""
+        solver = self.solver
+        if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
+            solver = functools.partial(cpsat, probes=0)
         try:
-            return solve(problem, limit, self.solver)
-        except InfeasibleBudget as refusal:
+            return solve(problem, limit, solver)
+        except InfeasibleBudget:
             log.warning(
                 "remat %s: no plan fits what is left of the budget for it (%s; the runs "
                 "before it in the step hold %s): its first step runs its lowest-peak plan "
-                "(%s) and may exceed the budget; the step is planned as one after it.",
+                "and may exceed the budget; the step is planned as one after it.",
                 name,
                 format_bytes(limit),
                 format_bytes(held),
-                format_bytes(refusal.minimum),
             )
             return min_peak_plan(problem)
 
