@@ -47,7 +47,11 @@ class RematBackend:
         self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
         self.planner = Planner(budget, solver=solver, cost_model=cost_model)
         self.steps = StepRunner(budget, solver)
-        self.planner.held_now = self.steps.held_now
+        # under inductor remat sees no runs, only the order dynamo compiles frames in
+        self.planner.joint_follows = compiler == "eager"
+        self.planner.held_now = (
+            self.steps.held_now if compiler == "eager" else self.planner.held_by_earlier_frames
+        )
 
     @property
     def graphs(self) -> list[GraphPlan]:
@@ -149,7 +153,9 @@ def partitioner(
     budget: Budget, *, solver: str | Solver = "auto", cost_model: str = "roofline"
 ) -> InductorPartitioner:
     """A ``CustomPartitionerFn`` for ``torch._inductor.config.custom_partitioner_fn``."""
-    return InductorPartitioner(Planner(budget, solver=solver, cost_model=cost_model))
+    planner = Planner(budget, solver=solver, cost_model=cost_model)
+    planner.held_now = planner.held_by_earlier_frames
+    return InductorPartitioner(planner)
 
 
 def _dynamo_backend_entry(gm, example_inputs, *, options: dict | None = None, mode=None):

@@ -34,6 +34,7 @@ from remat.solvers import (
     InfeasibleBudget,
     Plan,
     format_bytes,
+    held_bytes,
     min_peak_plan,
     parse_budget,
     resolve_budget,
@@ -135,6 +136,9 @@ class Planner:
         self.next_leaves: frozenset[tuple[int, int]] = frozenset()
         # bytes the runs of the step in progress hold while the next graph runs
         self.held_now: Callable[[], int] = lambda: 0
+        # the step is planned as one after its first run (``remat.steps``): False where
+        # remat does not run the programs (inductor), and a graph's plan is its last word
+        self.joint_follows = False
         # name -> (joint graph, num_fwd_outputs, forward, backward): the programs returned,
         # and what a later plan of the graph is rewritten from
         self.partitions: dict[str, tuple] = {}
@@ -183,9 +187,26 @@ class Planner:
         )
         return fw, bw
 
+    def held_by_earlier_frames(self) -> int:
+        """What earlier graphs of the step hold, where remat sees no runs (inductor compiles
+        the programs): the latest compile of each dynamo frame numbered below the current
+        one (frames are numbered in the order a step reaches them; a recompile for new
+        shapes replaces its frame's graph), each holding its saved values and outputs."""
+        current = CompileContext.current_compile_id()
+        if current is None:
+            return 0
+        latest = {}
+        for g in self.graphs:  # in planning order: a later compile of a frame replaces
+            if g.compile_id is not None and g.compile_id.frame_id < current.frame_id:
+                latest[g.compile_id.frame_id] = g
+        return sum(held_bytes(g.extracted.problem, g.plan) for g in latest.values())
+
     def _first_plan(self, problem, limit: int, name: str, held: int) -> Plan:
-        """The plan under ``limit``, or where none fits, the lowest-peak plan: the step is
-        planned as one at its end, which then fits the budget or names the step's minimum."""
+        """The plan under ``limit``. Where none fits and the step is planned as one at its
+        end (which then fits the budget or names the step's minimum), the lowest-peak plan;
+        else the refusal."""
+        if not self.joint_follows:
+            return solve(problem, limit, self.solver)
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
             solver = functools.partial(cpsat, probes=0)
