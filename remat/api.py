@@ -96,7 +96,7 @@ class RematBackend:
         """The step runner's view of planned graph ``name``, made at its first use."""
         if name not in self.steps.graphs:
             record = next(g for g in self.planner.graphs if g.name == name)
-            self.steps.add(record, *self.planner.partitions[name])
+            self.steps.add(record, *self.planner.partitions.pop(name))
         return self.steps.graphs[name]
 
     def report(self) -> PlanReport:

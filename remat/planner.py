@@ -27,7 +27,7 @@ from torch._guards import CompileContext, CompileId
 from remat import costs
 from remat.passes._torch_compat import real_tensors
 from remat.passes.clones import drop_identity_clones
-from remat.passes.extract import Extracted, extract, is_root_tangent
+from remat.passes.extract import Extracted, extract
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.solvers import (
@@ -102,8 +102,6 @@ class GraphPlan:
     # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
     # those stay in ``.grad`` while the backwards of earlier graphs of the step run
     leaves: frozenset[tuple[int, int]] = frozenset()
-    # its backward starts from a scalar's gradient (a loss computed inside the graph)
-    loss_inside: bool = True
 
     @property
     def saved_bytes(self) -> int:
@@ -173,10 +171,10 @@ class Planner:
             plan_seconds=time.perf_counter() - start,
             compile_id=compile_id,
             leaves=leaves,
-            loss_inside=_starts_from_a_scalar(joint),
         )
         self.graphs.append(record)
-        self.partitions[name] = (joint, num_fwd_outputs, fw, bw)
+        if self.joint_follows:  # handed to ``steps.StepRunner`` at the graph's first run
+            self.partitions[name] = (joint, num_fwd_outputs, fw, bw)
         log.info(
             "remat %s: %s (store-all %s, budget %s, planned in %.2fs)",
             name,
@@ -262,11 +260,6 @@ class Planner:
         if self.cost_model == "profile":
             model.measured.update(costs.profile_seconds(joint, device))
         return model
-
-
-def _starts_from_a_scalar(joint: fx.GraphModule) -> bool:
-    """Whether the backward is fed a scalar's gradient (the loss is computed in the graph)."""
-    return any(is_root_tangent(n) for n in joint.graph.find_nodes(op="placeholder"))
 
 
 def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:

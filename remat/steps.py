@@ -40,7 +40,15 @@ from torch.utils._pytree import tree_flatten
 from remat.passes._torch_compat import boxed, storage_of
 from remat.passes.extract import is_tangent
 from remat.passes.rewrite import rewrite
-from remat.solvers import InfeasibleBudget, Plan, evaluate, held_bytes, solve
+from remat.solvers import (
+    InfeasibleBudget,
+    Plan,
+    evaluate,
+    held_bytes,
+    resolve_budget,
+    solve,
+    store_all,
+)
 from remat.solvers.step import Composed, Link, Outside, Step, compose, joint_saved, split
 
 log = logging.getLogger("remat")
@@ -457,8 +465,6 @@ def _kept(first: Plan, compiled: Plan, limit: int) -> Plan:
 
 
 def _limit(budget, composed: Composed) -> int:
-    from remat.solvers import resolve_budget, store_all
-
     return resolve_budget(budget, store_all(composed.problem).peak)
 
 

@@ -6,7 +6,7 @@ and reusable outside PyTorch.
 
 from .budget import InfeasibleBudget, parse_budget, resolve_budget
 from .heuristics import greedy, recompute_all, store_all
-from .plan import Plan, evaluate, format_bytes, held_bytes, returned_bytes, saved_bytes
+from .plan import Plan, evaluate, format_bytes, held_bytes, saved_bytes
 from .problem import Node, Problem
 from .schedule import InvalidPlan, Schedule, schedule
 from .simulate import Timeline, simulate
@@ -29,7 +29,6 @@ __all__ = [
     "parse_budget",
     "recompute_all",
     "resolve_budget",
-    "returned_bytes",
     "saved_bytes",
     "schedule",
     "simulate",

@@ -93,12 +93,6 @@ def held_bytes(problem: Problem, plan: Plan) -> int:
     return _storage_bytes(problem, (*plan.saved, *problem.outputs))
 
 
-def returned_bytes(problem: Problem) -> int:
-    """Bytes live once a graph's backward has returned: the storages of its outputs and
-    of its gradients (and held tangents), each storage once."""
-    return _storage_bytes(problem, (*problem.outputs, *problem.grads))
-
-
 def saved_bytes(problem: Problem, plan: Plan) -> int:
     """Bytes the forward hands to the backward: storages of the saved values."""
     return _storage_bytes(problem, plan.saved)
