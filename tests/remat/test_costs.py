@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+import remat.costs.flags as cost_flags
+import remat.costs.measured as cost_measured
 from remat import costs
 from remat.costs import (
     DeviceSpec,
@@ -27,6 +29,7 @@ from remat.costs import (
     output_bytes,
     profile_seconds,
 )
+from remat.costs.graph import is_view
 
 aten = torch.ops.aten
 CPU = DeviceSpec.for_device("cpu")
@@ -587,7 +590,7 @@ def test_side_effects(graphs):
 def test_collectives_are_side_effects_and_never_profiled(monkeypatch):
     gm = _fake_graph(lambda g, x: g.call_function(aten.relu.default, (x,)), torch.randn(4))
     (n,) = _calls(gm)
-    monkeypatch.setattr(costs, "_COLLECTIVE_NAMESPACES", frozenset({"aten"}))
+    monkeypatch.setattr(cost_flags, "_COLLECTIVE_NAMESPACES", frozenset({"aten"}))
     assert has_side_effects(n)
     res = profile_seconds(gm, "cpu")
     assert "collective" in res.fallbacks[n.name] and res[n.name] == estimate_seconds(n, CPU)
@@ -667,8 +670,8 @@ def test_profiled_masks_are_runs_not_noise():
     mode = FakeTensorMode()
     with mode:
         fake = torch.empty(8, 256, dtype=torch.bool)
-    mask = costs._materialise(fake, torch.device("cpu")).flatten()
-    assert torch.equal(mask, costs._materialise(fake, torch.device("cpu")).flatten())
+    mask = cost_measured._materialise(fake, torch.device("cpu")).flatten()
+    assert torch.equal(mask, cost_measured._materialise(fake, torch.device("cpu")).flatten())
     assert int(mask.sum()) == mask.numel() // 2
     flips = int((mask[1:] != mask[:-1]).sum())
     assert flips == mask.numel() // 64 - 1
@@ -690,7 +693,7 @@ def test_profile_seconds_times_each_distinct_op_once(monkeypatch):
         timed.append(fn)
         return 0.25 * len(timed)
 
-    monkeypatch.setattr(costs, "_time_op", fake_time)
+    monkeypatch.setattr(cost_measured, "_time_op", fake_time)
     gm = _fake_graph(build, torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 5))
     a, b, c, t = _calls(gm, aten.relu.default)
     res = profile_seconds(gm, "cpu")
@@ -766,7 +769,7 @@ def test_scratch_is_measured_for_every_kernel(graphs):
     for n in _all_calls(graphs):
         measured = kernel_memory(n, "cpu", cache)
         assert measured is None or (measured.scratch >= 0 and measured.storage >= 0)
-        assert measured is None or not costs._is_view(n), n.name
+        assert measured is None or not is_view(n), n.name
 
 
 def test_output_storage_can_exceed_the_output():
@@ -809,7 +812,7 @@ def test_kernel_memory_of_an_op_that_cannot_run_is_unknown_and_reported(caplog, 
         assert kernel_memory(boom, "cpu") is None
     assert "cannot run on synthetic data" in caplog.text and boom.name in caplog.text
     # Collectives are never run (not even to fail): no warning either.
-    monkeypatch.setattr(costs, "_COLLECTIVE_NAMESPACES", frozenset({"remat_costs_test"}))
+    monkeypatch.setattr(cost_flags, "_COLLECTIVE_NAMESPACES", frozenset({"remat_costs_test"}))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="remat.costs"):
         assert kernel_memory(boom, "cpu") is None

@@ -1,0 +1,165 @@
+"""Device specs and the roofline time model.
+
+``estimate_seconds`` is ``max(flops / peak, bytes_moved / bandwidth, random numbers /
+rate)`` plus a fixed per-op launch overhead. Matmul/conv/attention flops come from torch's
+own ``flop_registry`` and use the device's matmul (tensor-core) peak for their dtype;
+every other op counts one flop per element (the bytes term dominates for those on every
+device modelled, so the flop estimate rarely matters).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ._fx import input_nodes, meta_val, tensors_of
+from .flags import random_numbers
+from .graph import bytes_moved, flop_formula, flops, is_kernel, is_view
+
+__all__ = ["DeviceSpec", "estimate_seconds"]
+
+
+# Dense (no 2:4 sparsity) peaks from NVIDIA's public datasheets, SXM parts unless the name
+# says otherwise: (fp32 non-tensor FLOP/s, tf32 tensor FLOP/s, bf16/fp16 tensor FLOP/s,
+# bytes/s of HBM/GDDR). Matched by substring of torch.cuda.get_device_properties().name,
+# first match wins, so more specific names come first. B200 figures are approximate
+# (derived from HGX B200 8-GPU totals).
+_GPU_TABLE: tuple[tuple[str, float, float, float, float], ...] = (
+    ("GH200", 67e12, 494.5e12, 989.5e12, 4.0e12),
+    ("H200 NVL", 60e12, 417.5e12, 835.5e12, 4.8e12),
+    ("H200", 67e12, 494.5e12, 989.5e12, 4.8e12),
+    ("H100 PCIe", 51e12, 378e12, 756.5e12, 2.0e12),
+    ("H100 NVL", 60e12, 417.5e12, 835.5e12, 3.9e12),
+    ("H100", 67e12, 494.5e12, 989.5e12, 3.35e12),
+    ("B200", 75e12, 1.125e15, 2.25e15, 8.0e12),
+    ("A100", 19.5e12, 156e12, 312e12, 2.0e12),  # 40 GB parts: 1.555e12, fixed up below
+    ("L40S", 91.6e12, 183e12, 362e12, 864e9),
+    ("L40", 90.5e12, 90.5e12, 181e12, 864e9),
+    ("L4", 30.3e12, 60e12, 121e12, 300e9),
+    ("A10", 31.2e12, 62.5e12, 125e12, 600e9),  # also matches A10G (slightly slower)
+    ("RTX 4090", 82.6e12, 82.6e12, 165.2e12, 1.008e12),
+    ("RTX 3090", 35.6e12, 35.6e12, 71e12, 936e9),
+    ("V100", 15.7e12, 15.7e12, 125e12, 900e9),  # no bf16 tensor cores: fp16 figure
+    ("T4", 8.1e12, 8.1e12, 65e12, 320e9),
+)
+# Unknown GPU: deliberately conservative (roughly a T4/V100-class card).
+_GPU_DEFAULT = (1e13, 1e13, 5e13, 5e11)
+
+# CPU: an AVX2 core does 2 FMA x 8 fp32 lanes = 32 FLOP/cycle, ~96 GFLOP/s at 3 GHz; eager
+# matmuls reach about half of that, hence 5e10 per thread. 2e10 B/s is a typical STREAM
+# figure for the memory channels a few cores can drive.
+_CPU_FLOPS_PER_THREAD = 5e10
+_CPU_BANDWIDTH = 2e10
+# Per-op eager cost (python + dispatcher, kernel launch on CUDA): a few microseconds.
+_CPU_LAUNCH = 5e-6
+# CPU random numbers (mt19937, one per element: dropout masks, bernoulli, rand): a
+# Bernoulli draw of 4M floats took 33 ms on one Xeon thread here, 6x what the roofline
+# charges a pointwise op that size. GPUs draw inside the kernel (Philox): no extra term.
+_CPU_RANDOM_PER_SECOND = 1.2e8
+_CUDA_LAUNCH = 6e-6
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Roofline parameters of one device.
+
+    ``peak_flops`` is the non-tensor-core (vector) fp32 peak, used for pointwise work.
+    ``matmul_peaks`` maps dtype names to the peak for matmul/conv/attention in that dtype
+    (tensor cores on GPUs); dtypes missing from it use ``peak_flops``.
+    """
+
+    name: str
+    peak_flops: float
+    bandwidth: float
+    launch_overhead: float
+    matmul_peaks: tuple[tuple[str, float], ...] = ()
+    random_per_second: float = math.inf  # random numbers drawn per second
+
+    def matmul_peak(self, dtype: torch.dtype | None) -> float:
+        """Peak FLOP/s of a matmul-class op computing in ``dtype``."""
+        key = str(dtype).removeprefix("torch.")
+        for name, peak in self.matmul_peaks:
+            if name == key:
+                return peak
+        return self.peak_flops
+
+    @staticmethod
+    def for_device(device: str | torch.device) -> DeviceSpec:
+        """Spec for ``device``: a datasheet table for known GPUs, conservative otherwise."""
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            threads = max(1, torch.get_num_threads())
+            return DeviceSpec(
+                name=f"cpu ({threads} threads)",
+                peak_flops=_CPU_FLOPS_PER_THREAD * threads,
+                bandwidth=_CPU_BANDWIDTH,
+                launch_overhead=_CPU_LAUNCH,
+                random_per_second=_CPU_RANDOM_PER_SECOND,
+            )
+        if dev.type == "cuda":
+            return _cuda_spec(dev)
+        fp32, _, half, bw = _GPU_DEFAULT
+        return DeviceSpec(
+            name=f"{dev.type} (unknown, conservative)",
+            peak_flops=fp32,
+            bandwidth=bw,
+            launch_overhead=_CUDA_LAUNCH,
+            matmul_peaks=(("bfloat16", half), ("float16", half)),
+        )
+
+
+def _cuda_spec(dev: torch.device) -> DeviceSpec:
+    """Look the GPU up by name; fp32 matmuls use TF32 peak only if torch allows TF32."""
+    name, total_mem = "cuda (unknown)", None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(
+            dev.index if dev.index is not None else torch.cuda.current_device()
+        )
+        name, total_mem = props.name, props.total_memory
+    fp32, tf32, half, bw = _GPU_DEFAULT
+    for key, *row in _GPU_TABLE:
+        if key in name:
+            fp32, tf32, half, bw = row
+            if key == "A100" and total_mem is not None and total_mem < 60 * 2**30:
+                bw = 1.555e12
+            break
+    else:
+        name = f"{name} (not in table, conservative)"
+    fp32_mm = tf32 if torch.get_float32_matmul_precision() != "highest" else fp32
+    return DeviceSpec(
+        name=name,
+        peak_flops=fp32,
+        bandwidth=bw,
+        launch_overhead=_CUDA_LAUNCH,
+        matmul_peaks=(("float32", fp32_mm), ("bfloat16", half), ("float16", half)),
+    )
+
+
+def _compute_dtype(node: fx.Node) -> torch.dtype | None:
+    for i in input_nodes(node):
+        ts = tensors_of(meta_val(i))
+        if ts and ts[0].is_floating_point():
+            return ts[0].dtype
+    ts = tensors_of(meta_val(node))
+    return ts[0].dtype if ts else None
+
+
+def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
+    """Roofline time: max(flops / peak, bytes_moved / bandwidth, random numbers / rate)
+    + launch overhead.
+
+    0 for placeholders, get_attr, output, getitem, views and pure SymInt arithmetic,
+    which launch no kernel. Matmul-class ops use the tensor-core peak of their dtype.
+    """
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return 0.0
+    if not is_kernel(node):
+        return 0.0
+    f = flops(node)
+    peak = spec.matmul_peak(_compute_dtype(node)) if flop_formula(node.target) else spec.peak_flops
+    drawing = random_numbers(node) / spec.random_per_second
+    return max(f / peak, bytes_moved(node) / spec.bandwidth, drawing) + spec.launch_overhead
