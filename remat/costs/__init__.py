@@ -5,6 +5,8 @@
 * ``remat.costs.flags``: randomness and side effects (what may never be recomputed).
 * ``remat.costs.device``: device specs and the roofline time estimate.
 * ``remat.costs.measured``: kernel time and scratch memory measured on the device.
+
+Why the rules are what they are, and where the figures come from: docs/cost-model.md.
 """
 
 from __future__ import annotations

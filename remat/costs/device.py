@@ -4,7 +4,8 @@
 rate)`` plus a fixed per-op launch overhead. Matmul/conv/attention flops come from torch's
 own ``flop_registry`` and use the device's matmul (tensor-core) peak for their dtype;
 every other op counts one flop per element (the bytes term dominates for those on every
-device modelled, so the flop estimate rarely matters).
+device modelled, so the flop estimate rarely matters). The figures and their sources:
+docs/cost-model.md, "Time model: the roofline".
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from .graph import bytes_moved, flop_formula, flops, is_kernel, is_view
 __all__ = ["DeviceSpec", "estimate_seconds"]
 
 
-# Dense (no 2:4 sparsity) peaks from NVIDIA's public datasheets, SXM parts unless the name
-# says otherwise: (fp32 non-tensor FLOP/s, tf32 tensor FLOP/s, bf16/fp16 tensor FLOP/s,
-# bytes/s of HBM/GDDR). Matched by substring of torch.cuda.get_device_properties().name,
-# first match wins, so more specific names come first. B200 figures are approximate
-# (derived from HGX B200 8-GPU totals).
+# Datasheet peaks (fp32 non-tensor FLOP/s, tf32 tensor FLOP/s, bf16/fp16 tensor FLOP/s,
+# bytes/s of HBM/GDDR), matched by substring of torch.cuda.get_device_properties().name:
+# first match wins, so more specific names come first. Sources: docs/cost-model.md,
+# "GPU table".
 _GPU_TABLE: tuple[tuple[str, float, float, float, float], ...] = (
     ("GH200", 67e12, 494.5e12, 989.5e12, 4.0e12),
     ("H200 NVL", 60e12, 417.5e12, 835.5e12, 4.8e12),
@@ -49,18 +49,14 @@ _GPU_TABLE: tuple[tuple[str, float, float, float, float], ...] = (
 # Unknown GPU: deliberately conservative (roughly a T4/V100-class card).
 _GPU_DEFAULT = (1e13, 1e13, 5e13, 5e11)
 
-# CPU: an AVX2 core does 2 FMA x 8 fp32 lanes = 32 FLOP/cycle, ~96 GFLOP/s at 3 GHz; eager
-# matmuls reach about half of that, hence 5e10 per thread. 2e10 B/s is a typical STREAM
-# figure for the memory channels a few cores can drive.
-_CPU_FLOPS_PER_THREAD = 5e10
-_CPU_BANDWIDTH = 2e10
-# Per-op eager cost (python + dispatcher, kernel launch on CUDA): a few microseconds.
-_CPU_LAUNCH = 5e-6
-# CPU random numbers (mt19937, one per element: dropout masks, bernoulli, rand): a
-# Bernoulli draw of 4M floats took 33 ms on one Xeon thread here, 6x what the roofline
-# charges a pointwise op that size. GPUs draw inside the kernel (Philox): no extra term.
+# CPU figures: docs/cost-model.md, "CPU roofline".
+_CPU_FLOPS_PER_THREAD = 5e10  # what eager matmuls reach: half an AVX2 core's fp32 peak
+_CPU_BANDWIDTH = 2e10  # a typical STREAM figure for the channels a few cores drive
+_CPU_LAUNCH = 5e-6  # per-op eager cost: python and the dispatcher
+# mt19937 draws one number per element, far slower than a pointwise op; GPUs draw inside
+# the kernel (Philox), so their specs have no random term.
 _CPU_RANDOM_PER_SECOND = 1.2e8
-_CUDA_LAUNCH = 6e-6
+_CUDA_LAUNCH = 6e-6  # per-op eager cost, kernel launch included
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,9 @@ def is_collective(target: Any) -> bool:
 
 
 # Backward kernels of fused RNNs: they read a buffer their forward kernel wrote in the
-# library's own layout (offsets, sizes), which synthetic inputs cannot fake: on them
-# mkldnn_rnn_layer_backward crashed the process (an nn.LSTM, allow_rnn). Never run alone:
-# their memory is the outputs' nominal bytes, their time the roofline estimate.
+# library's own layout (offsets, sizes), which synthetic inputs cannot fake (one crashed
+# the process: docs/cost-model.md, "Ops that never run alone"). Never run alone: their
+# memory is the outputs' nominal bytes, their time the roofline estimate.
 _OPAQUE_BUFFER_OPS = frozenset(
     {"aten::mkldnn_rnn_layer_backward", "aten::_cudnn_rnn_backward", "aten::miopen_rnn_backward"}
 )

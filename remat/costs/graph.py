@@ -1,24 +1,19 @@
 """Pure graph facts: what each node of a joint graph allocates, aliases, moves and computes.
 
 Read off the node, its op schema and its fake metadata; no global state, nothing runs.
+The memory model the planner and the simulator rely on (why: docs/cost-model.md,
+"Memory model"):
 
-Memory model (what the planner and the simulator may rely on)
--------------------------------------------------------------
 * ``output_bytes(n)``: bytes of the tensors ``n``'s value refers to (``numel * itemsize``,
   summed over tuple outputs; aliases are not deduplicated).
 * ``aliased_input(n)``: the input node whose storage ``n``'s output shares at runtime, or
   None when ``n`` returns fresh memory. Follow it repeatedly to reach the storage owner.
-* ``allocated_bytes(n)``: bytes that come into existence when ``n`` runs. A multi-output op
-  (``native_layer_norm``, ``native_dropout``) allocates all its fresh outputs at once, so
-  the tuple node carries the allocation; each ``getitem`` of it allocates 0 but is *not* an
-  alias: it owns its own storage of ``output_bytes(getitem)`` bytes, which can outlive its
-  siblings. Outputs nobody reads (no getitem) die right after the op. Counting the bytes on
-  both the tuple node and the getitems would double count; counting them only on the
-  getitems would miss that the outputs coexist with the op's inputs while it runs.
+* ``allocated_bytes(n)``: bytes that come into existence when ``n`` runs. A multi-output
+  op carries all its fresh outputs' bytes; each ``getitem`` of it allocates 0 but is not
+  an alias: it owns its storage, which can outlive its siblings'. Outputs nobody reads
+  die right after the op.
 
 ``bytes_moved(n)`` and ``flops(n)`` are the two terms of the roofline (``remat.costs.device``).
-Matmul/conv/attention flops come from torch's own ``flop_registry``; every other op counts
-one flop per element.
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
     Floats are standard normal, integers zero (a valid index into any non-empty
     dimension), bools runs of 64 True then 64 False. Not random bools: masks that ops
     branch on (``masked_fill``, ``where``) are causal or padding masks in practice, and
-    a random mask mispredicts every other branch (``masked_fill`` of a 4x4x512x512
-    tensor took 28 ms with one and 5.7 ms with a causal mask on one Xeon thread).
+    a random mask mispredicts every other branch (timings: docs/cost-model.md,
+    "Kernel time").
     """
     n = _storage_numel(fake)
     dtype = fake.dtype
@@ -235,10 +235,7 @@ def kernel_memory(
     warm-up call): what its outputs hold and what else it allocated.
 
     Every kernel is measured, because which ones allocate more than their outputs is not
-    predictable: on CPU convolutions unfold their input, flash attention's backward and
-    batch norm's keep a buffer the size of an input, ``mse_loss`` and ``_safe_softmax`` a
-    temporary, dropout a float noise tensor (a list of "kernels with scratch" missed the
-    attention backward, and one model's measured peak came out 24% over its prediction).
+    predictable (examples: docs/cost-model.md, "Scratch memory").
     None for views, collectives and what is not a kernel, and for an op that cannot run
     on synthetic inputs (with a warning). ``cache`` shares results between nodes with the
     same op, shapes, strides and dtypes. Scratch is 0 where it cannot be measured now
@@ -280,8 +277,8 @@ def kernel_memory(
         with torch.no_grad(), torch.random.fork_rng(devices=fork):
             # On CUDA a first call may allocate what later ones reuse (cuBLAS's workspace,
             # caches): resident during a training step, not this op's scratch, so it runs
-            # once unmeasured. On CPU a first call measured the same as a second for all
-            # 939 kernels of the six examples, and skipping it halves the time.
+            # once unmeasured. On CPU a first call allocates as later ones do, so it is
+            # skipped (docs/cost-model.md, "Scratch memory").
             if dev.type != "cpu" or not scratch_known:
                 out = node.target(*args, **kwargs)
             if scratch_known:
