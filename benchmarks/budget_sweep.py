@@ -19,8 +19,9 @@ from _output import write_rows
 from tabulate import tabulate
 
 import remat
-from remat import examples, memory
+from remat import memory
 from remat.solvers import format_bytes, min_peak_plan
+from remat.tools import examples
 
 
 def measure(step, model, repeat: int) -> tuple[int, float]:
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
                 overhead=f"{seconds / eager_time - 1:+.1%}",
             )
         )
-        torch._dynamo.reset()
+        torch.compiler.reset()
 
     # remat at 1.0 runs the same compiled programs with nothing recomputed: the
     # difference to it is what recomputation costs, apart from compiling at all.

@@ -50,7 +50,7 @@ def graphs(sizes: list[int], gpt_layers: int, gpt_sizes: dict) -> list[tuple[str
         out.append((problem.name, problem))
     if gpt_layers:
         import remat  # torch: only when the GPT graph is wanted
-        from remat import examples
+        from remat.tools import examples
 
         start = time.perf_counter()
         model, inputs = examples.load("gpt", layers=gpt_layers, **gpt_sizes)

@@ -21,12 +21,13 @@ from _output import write_rows
 from tabulate import tabulate
 
 import remat
-from remat import examples, memory
+from remat import memory
 from remat.solvers import format_bytes
+from remat.tools import examples
 
 
 def run_budget(model, inputs, budget: int, repeat: int) -> dict:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     optimized = remat.optimize(model, budget=budget)
 
     def step():

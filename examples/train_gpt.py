@@ -7,7 +7,7 @@ The training loop is a plain PyTorch one; remat is the single marked line. Run i
 import torch
 
 import remat
-from remat.examples import gpt
+from remat.tools.examples import gpt
 
 STEPS = 5
 BATCH, SEQ, VOCAB = 4, 128, 512

@@ -1,13 +1,62 @@
-"""Every private PyTorch API remat touches, in one file, so a torch upgrade edits one place."""
+"""Every private PyTorch API remat touches, in one file, so a torch upgrade edits one place.
+
+Private means a name or module path with a leading underscore (``torch._dynamo``,
+``torch.utils._pytree``, ``torch._C``) or an underscored attribute of a public object.
+Every other module of ``remat`` reaches them through this one; ``tests/test_layout.py``
+checks it. ``torch.compiler.reset`` and ``torch.utils.checkpoint`` are public and used
+directly.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import fx
+from torch._dynamo import config as dynamo_config
+from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch._guards import CompileContext, CompileId
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["boxed", "extract_fwd_bwd_modules", "mutated_inputs", "real_tensors", "storage_of"]
+__all__ = [
+    "BackendCompilerFailed",
+    "CompileContext",
+    "CompileId",
+    "FailOnRecompileLimitHit",
+    "FakeTensor",
+    "TorchDispatchMode",
+    "aot_autograd",
+    "compile_caches_off",
+    "cpu_allocations",
+    "current_dispatch_mode",
+    "custom_partitioner_base",
+    "dynamo_config",
+    "inductor",
+    "min_cut_partition",
+    "pop_dispatch_mode",
+    "profiler_enabled",
+    "push_dispatch_mode",
+    "storage_key",
+    "HigherOrderOperator",
+    "OpOverload",
+    "OpOverloadPacket",
+    "boxed",
+    "extract_fwd_bwd_modules",
+    "is_python_random",
+    "is_torch_assert",
+    "mutated_inputs",
+    "op_schema",
+    "real_tensors",
+    "storage_of",
+    "tree_flatten",
+    "tree_map",
+]
 
 
 def extract_fwd_bwd_modules(
@@ -62,3 +111,141 @@ def storage_of(value) -> StorageWeakRef | None:
         return StorageWeakRef(value.untyped_storage())
     except Exception:  # sparse and nested tensors have no single storage
         return None
+
+
+def op_schema(target) -> torch.FunctionSchema | None:
+    """The schema of an op overload (``aten.mm.default``); None for anything else: python
+    callables, overload packets, higher-order operators."""
+    return getattr(target, "_schema", None) if isinstance(target, OpOverload) else None
+
+
+def is_torch_assert(target) -> bool:
+    """Whether ``target`` is ``torch._assert``, the assert fx traces from python code."""
+    return target is torch._assert
+
+
+def is_python_random(target) -> bool:
+    """Whether ``target`` is a python-level torch function that draws random numbers
+    (``torch.rand`` & co., in torch IR graphs rather than aten joint graphs)."""
+    import torch._library.utils as lib_utils
+
+    return target in getattr(lib_utils, "_RANDOM_FUNCTIONS", ())
+
+
+# ----------------------------------------------------------------------------- storages
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An integer naming the storage ``t`` lives in (equal for all its views) while that
+    storage is alive: the address of its C++ object."""
+    return t.untyped_storage()._cdata
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+def aot_autograd(**kwargs):
+    """dynamo's AOTAutograd backend factory (``fw_compiler``, ``bw_compiler``,
+    ``partition_fn``)."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
+    """Compile ``gm`` with inductor, partitioned by ``partitioner`` (a
+    ``CustomPartitionerFn``) or, when None, by torch's own min-cut."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    if partitioner is None:
+        return compile_fx(gm, example_inputs)
+    with config.patch(custom_partitioner_fn=partitioner):
+        return compile_fx(gm, example_inputs)
+
+
+def custom_partitioner_base() -> type:
+    """inductor's ``CustomPartitionerFn``, the base a custom partitioner subclasses."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+def min_cut_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    """torch's ``min_cut_rematerialization_partition`` choosing from the ops inductor may
+    recompute (its default set), for comparing against remat on the same graph."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+
+@contextlib.contextmanager
+def compile_caches_off(activation_memory_budget: float | None = None) -> Iterator[None]:
+    """AOTAutograd's and inductor's caches off (a cache hit skips the partitioner, so a
+    partition made under other settings would be reused), and torch's
+    ``activation_memory_budget`` set while its min-cut partitions, when given."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    patches = {"enable_autograd_cache": False}
+    if activation_memory_budget is not None:
+        patches["activation_memory_budget"] = float(activation_memory_budget)
+    with functorch_config.patch(**patches), inductor_config.patch(fx_graph_cache=False):
+        yield
+
+
+# ----------------------------------------------------------------------------- dispatch modes
+
+
+def current_dispatch_mode():
+    """The innermost active ``TorchDispatchMode`` (None when there is none)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def push_dispatch_mode(mode: TorchDispatchMode) -> None:
+    """Make ``mode`` active without a ``with`` block (it stays until popped)."""
+    from torch.utils._python_dispatch import _push_mode
+
+    _push_mode(mode)
+
+
+def pop_dispatch_mode() -> TorchDispatchMode:
+    """Deactivate the innermost dispatch mode and return it."""
+    from torch.utils._python_dispatch import _pop_mode
+
+    return _pop_mode()
+
+
+# ----------------------------------------------------------------------------- profiler
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` (or autograd profiler) session runs on this thread."""
+    return torch._C._autograd._profiler_enabled()
+
+
+def cpu_allocations(prof) -> list[tuple[int, int, int, int]]:
+    """The CPU allocation events of a finished ``torch.profiler.profile(profile_memory=True)``,
+    unordered: ``(start_time_ns, is_alloc, ptr, size)`` each, ``size`` negative on a free.
+
+    Read from ``prof.profiler.kineto_results.experimental_event_tree()`` (the source
+    ``torch.profiler._memory_profiler`` uses), whose allocation events, unlike
+    ``kineto_results.events()``, carry the block address.
+    """
+    from torch._C._profiler import _EventType
+
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag != _EventType.Allocation:
+            continue
+        fields = event.extra_fields
+        if fields.device.type != "cpu":
+            continue
+        size = int(fields.alloc_size)
+        found.append((event.start_time_ns, size > 0, int(fields.ptr), size))
+    return found

@@ -4,27 +4,33 @@
 >>> loss = model(x, y); loss.backward()
 """
 
-from remat import memory
-from remat.api import (
+from remat import errors, memory
+from remat.api import PlanReport, RematBackend, backend, optimize, partitioner, plan
+from remat.errors import (
+    DynamicShapes,
+    InfeasibleBudget,
+    InvalidOption,
     NothingCompiled,
-    PlanReport,
     RecompileLimitHit,
-    RematBackend,
-    backend,
-    optimize,
-    partitioner,
-    plan,
+    RematError,
+    SolverOverBudget,
 )
-from remat.solvers import InfeasibleBudget, Plan
+from remat.solvers import Budget, Plan
 
 __all__ = [
+    "Budget",
+    "DynamicShapes",
     "InfeasibleBudget",
+    "InvalidOption",
     "NothingCompiled",
     "Plan",
     "PlanReport",
     "RecompileLimitHit",
     "RematBackend",
+    "RematError",
+    "SolverOverBudget",
     "backend",
+    "errors",
     "memory",
     "optimize",
     "partitioner",

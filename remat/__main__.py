@@ -1,5 +1,5 @@
 """``python -m remat``: the ``remat`` command line."""
 
-from remat.cli import main
+from remat.tools.cli import main
 
 raise SystemExit(main())

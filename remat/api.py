@@ -10,17 +10,26 @@ from typing import Any
 import torch
 from tabulate import tabulate
 from torch import nn
-from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
-from torch.utils._pytree import tree_flatten
 
-from remat.passes._torch_compat import boxed
+from remat.errors import InvalidOption, NothingCompiled, RecompileLimitHit, RematError
+from remat.passes._torch_compat import (
+    BackendCompilerFailed,
+    FailOnRecompileLimitHit,
+    aot_autograd,
+    boxed,
+    compile_caches_off,
+    custom_partitioner_base,
+    dynamo_config,
+    inductor,
+    tree_flatten,
+)
 from remat.planner import GraphPlan, Planner
-from remat.solvers import InfeasibleBudget, format_bytes, store_all
-from remat.solvers.budget import Budget
+from remat.solvers import format_bytes, store_all
+from remat.solvers.budget import Budget, BudgetLike
 from remat.solvers.solve import Solver
 from remat.steps import StepPlan, StepRunner
 
-COMPILERS = ("eager", "inductor")
+COMPILERS = ("eager", "inductor")  # what runs remat's fw/bw programs; the first is the default
 
 
 class RematBackend:
@@ -35,14 +44,15 @@ class RematBackend:
 
     def __init__(
         self,
-        budget: Budget,
+        budget: BudgetLike,
         *,
         solver: str | Solver = "auto",
         compiler: str = "eager",
         cost_model: str = "roofline",
     ) -> None:
         if compiler not in COMPILERS:
-            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+            raise InvalidOption(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        budget = Budget.parse(budget)
         self.compiler = compiler
         self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
         self.planner = Planner(budget, solver=solver, cost_model=cost_model)
@@ -65,19 +75,9 @@ class RematBackend:
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
         if self.compiler == "inductor":
-            from torch._functorch import config as functorch_config
-            from torch._inductor import config
-            from torch._inductor.compile_fx import compile_fx
-
             # Caches would skip the partitioner on a hit, leaving no plan to report.
-            with (
-                config.patch(
-                    custom_partitioner_fn=InductorPartitioner(self.planner), fx_graph_cache=False
-                ),
-                functorch_config.patch(enable_autograd_cache=False),
-            ):
-                return compile_fx(gm, example_inputs)
-        from torch._dynamo.backends.common import aot_autograd
+            with compile_caches_off():
+                return inductor(gm, example_inputs, partitioner=InductorPartitioner(self.planner))
 
         def compile_forward(program: torch.fx.GraphModule, _inputs):
             name = program.meta.get("remat")
@@ -113,13 +113,7 @@ def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
     )
 
 
-def _inductor_partitioner_base():
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    return CustomPartitionerFn
-
-
-class InductorPartitioner(_inductor_partitioner_base()):
+class InductorPartitioner(custom_partitioner_base()):
     """Adapter for ``torch._inductor.config.custom_partitioner_fn``."""
 
     def __init__(self, planner: Planner) -> None:
@@ -139,7 +133,7 @@ class InductorPartitioner(_inductor_partitioner_base()):
 
 
 def backend(
-    budget: Budget,
+    budget: BudgetLike,
     *,
     solver: str | Solver = "auto",
     compiler: str = "eager",
@@ -150,7 +144,7 @@ def backend(
 
 
 def partitioner(
-    budget: Budget, *, solver: str | Solver = "auto", cost_model: str = "roofline"
+    budget: BudgetLike, *, solver: str | Solver = "auto", cost_model: str = "roofline"
 ) -> InductorPartitioner:
     """A ``CustomPartitionerFn`` for ``torch._inductor.config.custom_partitioner_fn``."""
     planner = Planner(budget, solver=solver, cost_model=cost_model)
@@ -162,7 +156,7 @@ def _dynamo_backend_entry(gm, example_inputs, *, options: dict | None = None, mo
     """Entry point for ``torch.compile(model, backend="remat", options={"budget": ...})``."""
     options = dict(options or {})
     if "budget" not in options:
-        raise ValueError(
+        raise InvalidOption(
             'the "remat" backend needs a budget: options={"budget": "2GiB"} '
             "(or a fraction of the store-all peak, e.g. 0.5)"
         )
@@ -171,7 +165,7 @@ def _dynamo_backend_entry(gm, example_inputs, *, options: dict | None = None, mo
 
 def optimize(
     model: nn.Module | Callable,
-    budget: Budget,
+    budget: BudgetLike,
     *,
     solver: str | Solver = "auto",
     compiler: str = "eager",
@@ -200,34 +194,6 @@ def optimize(
     functools.update_wrapper(compiled, model)
     compiled.remat = rb
     return compiled
-
-
-class NothingCompiled(RuntimeError):
-    """dynamo captured no graph from the forward and ran it eagerly, outside the budget."""
-
-    def __init__(self, model_name: str) -> None:
-        super().__init__(
-            f"remat planned nothing for {model_name}: torch.compile captured no graph "
-            "from it and ran it eagerly, outside remat's budget. TORCH_LOGS=graph_breaks "
-            "names the reason; nn.LSTM, nn.GRU and nn.RNN, for one, make dynamo skip the "
-            "whole forward unless torch._dynamo.config.allow_rnn = True (GRU then trains "
-            "under remat; LSTM fails in torch 2.13's own AOT autograd on CPU)."
-        )
-
-
-class RecompileLimitHit(RuntimeError):
-    """dynamo's recompile limit stopped remat from planning a step, which would otherwise
-    have run eagerly, outside the budget."""
-
-    def __init__(self, model_name: str, limit: int) -> None:
-        super().__init__(
-            f"torch.compile hit dynamo's recompile limit ({limit}) on {model_name}, "
-            "so this step would run eagerly, outside remat's budget. Every remat.optimize "
-            f"of a {model_name} in one process, and every new input shape, compiles that "
-            "forward once more. Raise torch._dynamo.config.recompile_limit, call "
-            "torch._dynamo.reset() before optimizing another model (earlier ones then plan "
-            "again at their next call), or keep input shapes fixed."
-        )
 
 
 def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
@@ -274,7 +240,7 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
 
 def _guarded(compiled: Callable, rb: RematBackend, name: str) -> Callable:
     """``compiled`` raising what the user must fix, never running eagerly unplanned."""
-    dynamo = torch._dynamo.config
+    dynamo = dynamo_config
 
     def run(*args, **kwargs):
         rb.steps.entering()
@@ -286,7 +252,7 @@ def _guarded(compiled: Callable, rb: RematBackend, name: str) -> Callable:
                 out = compiled(*args, **kwargs)
         except BackendCompilerFailed as failure:
             # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
-            if isinstance(failure.inner_exception, (InfeasibleBudget, ValueError)):
+            if isinstance(failure.inner_exception, RematError):
                 raise failure.inner_exception from None
             raise
         except FailOnRecompileLimitHit as hit:
@@ -302,7 +268,7 @@ def _guarded(compiled: Callable, rb: RematBackend, name: str) -> Callable:
 def plan(
     model: nn.Module,
     example_inputs: Sequence,
-    budget: Budget,
+    budget: BudgetLike,
     *,
     solver: str | Solver = "auto",
     cost_model: str = "roofline",
@@ -330,7 +296,7 @@ def plan(
                 v.copy_(snapshot[k])
         for p, g in grads.items():
             p.grad = g
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return rb.report()
 
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.passes._torch_compat import cpu_allocations, profiler_enabled
+
 __all__ = ["Measurement", "peak", "profiler_active", "step_time"]
 
 # Kineto (the profiler's backend) prints two "USDT: ... profiler_start/stop" trace markers
@@ -91,7 +93,7 @@ def profiler_active() -> bool:
     CPU peaks are measured with a profiler session of their own, and sessions do not nest:
     starting one inside a user's and stopping it ends the user's too, whose trace then comes
     back empty."""
-    return torch._C._autograd._profiler_enabled()
+    return profiler_enabled()
 
 
 def step_time(
@@ -193,28 +195,9 @@ def _window_peak(events: list[tuple[int, int]]) -> int:
 
 def _cpu_allocations(prof) -> list[tuple[int, int]]:
     """``(ptr, signed bytes)`` of every CPU allocation (+) and free (-), in time order.
-
-    The only place that reads the profiler's private results: the allocation events of
-    ``prof.profiler.kineto_results.experimental_event_tree()`` (the source
-    ``torch.profiler._memory_profiler`` uses), which unlike ``kineto_results.events()``
-    carry the block address. On equal timestamps frees sort first, so a block freed and
-    reused at once is never seen as live twice.
-    """
-    from torch._C._profiler import _EventType
-
-    found = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag != _EventType.Allocation:
-            continue
-        fields = event.extra_fields
-        if fields.device.type != "cpu":
-            continue
-        size = int(fields.alloc_size)
-        found.append((event.start_time_ns, size > 0, int(fields.ptr), size))
-    found.sort()
+    On equal timestamps frees sort first, so a block freed and reused at once is never
+    seen as live twice."""
+    found = sorted(cpu_allocations(prof))
     return [(ptr, size) for _, _, ptr, size in found]
 
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch._guards import CompileContext, CompileId
 
 from remat import costs
-from remat.passes._torch_compat import real_tensors
+from remat.errors import DynamicShapes
+from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import Extracted, extract
 from remat.passes.rewrite import rewrite
@@ -36,15 +36,13 @@ from remat.solvers import (
     format_bytes,
     held_bytes,
     min_peak_plan,
-    parse_budget,
-    resolve_budget,
     saved_bytes,
     solve,
     store_all,
 )
-from remat.solvers.budget import Budget
+from remat.solvers.budget import Budget, BudgetLike
 from remat.solvers.cpsat import cpsat
-from remat.solvers.solve import CPSAT_SOLVERS, Solver
+from remat.solvers.solve import CPSAT_SOLVERS, Solver, solver_for
 
 log = logging.getLogger("remat")
 
@@ -115,17 +113,12 @@ class Planner:
     (``remat.steps`` plans the step as one after that)."""
 
     def __init__(
-        self, budget: Budget, *, solver: str | Solver = "auto", cost_model: str = "roofline"
+        self, budget: BudgetLike, *, solver: str | Solver = "auto", cost_model: str = "roofline"
     ) -> None:
-        parse_budget(budget)  # fail at construction, not at the first forward
         if cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
-        if isinstance(solver, str):
-            from remat.solvers import SOLVERS
-
-            if solver not in SOLVERS:
-                raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
-        self.budget = budget
+        solver_for(solver)  # fail at construction, not at the first forward
+        self.budget = Budget.parse(budget)
         self.solver = solver
         self.cost_model = cost_model
         self.graphs: list[GraphPlan] = []
@@ -249,10 +242,9 @@ class Planner:
     def _graph_budget(self, store_all_peak: int, held: int) -> int:
         """This graph's share of the budget in its first step: a fraction applies to its
         own store-all peak, bytes are what the ``held`` bytes of earlier runs leave."""
-        value = parse_budget(self.budget)
-        if isinstance(value, float):
-            return resolve_budget(value, store_all_peak)
-        return max(value - held, 1)
+        if self.budget.fraction is not None:
+            return self.budget.resolve(store_all_peak)
+        return max(self.budget.nbytes - held, 1)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
         device = _device_of(joint)
@@ -272,13 +264,7 @@ def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:
         sizes = val.shape if isinstance(val, torch.Tensor) else (val,)
         symbols |= {str(s) for s in sizes if isinstance(s, torch.SymInt)}
     if symbols:
-        raise ValueError(
-            f"remat plans a step at concrete shapes, but {name}'s inputs have symbolic sizes "
-            f"({', '.join(sorted(symbols))}): torch.compile made the graph dynamic (it does "
-            "so by itself when a second input shape arrives). Pass dynamic=False, as in "
-            "torch.compile(model, backend=remat.backend(budget), dynamic=False) (remat.optimize "
-            "does), so each input shape is planned on its own."
-        )
+        raise DynamicShapes(name, sorted(symbols))
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

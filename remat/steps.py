@@ -34,10 +34,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from remat.passes._torch_compat import boxed, storage_of
+from remat.passes._torch_compat import (
+    FakeTensor,
+    TorchDispatchMode,
+    boxed,
+    current_dispatch_mode,
+    pop_dispatch_mode,
+    push_dispatch_mode,
+    storage_key,
+    storage_of,
+    tree_flatten,
+)
 from remat.passes.extract import is_tangent
 from remat.passes.rewrite import rewrite
 from remat.solvers import (
@@ -45,10 +53,10 @@ from remat.solvers import (
     Plan,
     evaluate,
     held_bytes,
-    resolve_budget,
     solve,
     store_all,
 )
+from remat.solvers.budget import Budget
 from remat.solvers.step import Composed, Link, Outside, Step, compose, joint_saved, split
 
 log = logging.getLogger("remat")
@@ -141,9 +149,9 @@ class OutsideMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.active:
-            read = {_key(t) for t in tree_flatten((args, kwargs))[0] if _real(t)}
+            read = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if _real(t)}
             for t in tree_flatten(out)[0]:
-                if _real(t) and _key(t) not in read:  # a new storage, not a view or in-place
+                if _real(t) and storage_key(t) not in read:  # a new storage, not a view or in-place
                     self._track(t)
         return out
 
@@ -189,15 +197,9 @@ def _real(t: object) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_meta
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _push_if_not_top(mode: TorchDispatchMode) -> None:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _push_mode
-
-    if _get_current_dispatch_mode() is not mode:
-        _push_mode(mode)
+    if current_dispatch_mode() is not mode:
+        push_dispatch_mode(mode)
 
 
 @dataclass
@@ -232,7 +234,7 @@ class _Recording:
 class StepRunner:
     """Runs the graphs of one compiled model step by step (module docstring)."""
 
-    def __init__(self, budget, solver) -> None:
+    def __init__(self, budget: Budget, solver) -> None:
         self.budget, self.solver = budget, solver
         self.graphs: dict[str, Graph] = {}
         self.plans: list[StepPlan] = []
@@ -363,10 +365,8 @@ class StepRunner:
         comes off the dispatch mode stack first. Modes are pushed and popped only here and
         in ``returned``, outside compiled frames: AOTAutograd wraps its first run in a mode
         of its own, whose exit pops whatever is on top."""
-        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
-
-        while isinstance(_get_current_dispatch_mode(), OutsideMemory):
-            _pop_mode()
+        while isinstance(current_dispatch_mode(), OutsideMemory):
+            pop_dispatch_mode()
 
     def returned(self) -> None:
         """The compiled function returned to the user's code: the step's ``OutsideMemory``
@@ -464,8 +464,8 @@ def _kept(first: Plan, compiled: Plan, limit: int) -> Plan:
     return dataclasses.replace(first, solver=f"{compiled.solver} (compile-time)")
 
 
-def _limit(budget, composed: Composed) -> int:
-    return resolve_budget(budget, store_all(composed.problem).peak)
+def _limit(budget: Budget, composed: Composed) -> int:
+    return budget.resolve(store_all(composed.problem).peak)
 
 
 def _accumulate(runs: list[_Run], order: tuple[int, ...]) -> tuple[int, ...]:
@@ -494,6 +494,4 @@ def _in_step_terms(refusal: InfeasibleBudget, runs: list[_Run]) -> InfeasibleBud
 
 
 def _fake(args: Sequence) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return any(isinstance(a, FakeTensor) for a in args)

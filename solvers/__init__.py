@@ -4,17 +4,21 @@ Imports nothing from torch, so it is fast to test on thousands of random graphs
 and reusable outside PyTorch.
 """
 
-from .budget import InfeasibleBudget, parse_budget, resolve_budget
+from .budget import Budget, BudgetLike
+from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
 from .plan import Plan, evaluate, format_bytes, held_bytes, saved_bytes
 from .problem import Node, Problem
 from .schedule import InvalidPlan, Schedule, schedule
 from .simulate import Timeline, simulate
-from .solve import SOLVERS, min_peak_plan, solve
+from .solve import SOLVERS, min_peak_plan, solve, solver_for
 
 __all__ = [
     "SOLVERS",
+    "Budget",
+    "BudgetLike",
     "InfeasibleBudget",
+    "InvalidOption",
     "InvalidPlan",
     "Node",
     "Plan",
@@ -26,12 +30,13 @@ __all__ = [
     "greedy",
     "held_bytes",
     "min_peak_plan",
-    "parse_budget",
     "recompute_all",
-    "resolve_budget",
+    "RematError",
     "saved_bytes",
     "schedule",
     "simulate",
     "solve",
+    "solver_for",
+    "SolverOverBudget",
     "store_all",
 ]

@@ -50,7 +50,7 @@ import time
 
 from ortools.sat.python import cp_model
 
-from .budget import InfeasibleBudget
+from .errors import InfeasibleBudget
 from .heuristics import descend, fill, greedy
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, format_bytes

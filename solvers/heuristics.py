@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from .budget import InfeasibleBudget
+from .errors import InfeasibleBudget, SolverOverBudget
 from .plan import Plan, evaluate, format_bytes
 from .problem import Problem, without_free_views
 
@@ -383,7 +383,7 @@ def _new_recomputes(problem: Problem, plan: Plan, victims: list[int]) -> set[int
 def _within(plan: Plan, problem: Problem) -> Plan:
     """Fixed strategies do not adapt to a budget; say so instead of exceeding it."""
     if plan.budget is not None and plan.peak > plan.budget:
-        raise ValueError(
+        raise SolverOverBudget(
             f"solver {plan.solver!r} peaks at {format_bytes(plan.peak)}, over the budget "
             f"{format_bytes(plan.budget)}{' for ' + problem.name if problem.name else ''}; "
             "it does not adapt to a budget: use solver='auto' or 'greedy'"

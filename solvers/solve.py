@@ -7,8 +7,9 @@ import functools
 import gc
 from collections.abc import Callable, Iterator
 
-from .budget import Budget, InfeasibleBudget, resolve_budget
+from .budget import Budget, BudgetLike
 from .cpsat import cpsat
+from .errors import InfeasibleBudget, InvalidOption, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
 from .plan import Plan
 from .problem import Problem
@@ -24,13 +25,26 @@ def auto(problem: Problem, budget: int | None = None) -> Plan:
 
 CPSAT_SOLVERS = ("auto", "cpsat")  # the names that run CP-SAT, so take its time limit
 
-SOLVERS: dict[str, Solver] = {
+SOLVERS: dict[str, Solver] = {  # the one registry of names; the first is the default
     "auto": auto,
     "cpsat": cpsat,
     "greedy": greedy,
     "store-all": store_all,
     "recompute-all": recompute_all,
 }
+
+
+def solver_for(solver: str | Solver) -> Solver:
+    """The solver a name (from ``SOLVERS``) or a callable ``(problem, budget_bytes) -> Plan``
+    stands for; ``InvalidOption`` naming the choices otherwise."""
+    if callable(solver):
+        return solver
+    if solver not in SOLVERS:
+        raise InvalidOption(
+            f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)} "
+            "or pass a callable (problem, budget_bytes) -> Plan"
+        )
+    return SOLVERS[solver]
 
 
 def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
@@ -43,16 +57,17 @@ def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
     return functools.partial(module.cpsat, time_limit=time_limit)
 
 
-def solve(problem: Problem, budget: Budget, solver: str | Solver = "auto") -> Plan:
-    """Plan ``problem`` under ``budget`` (bytes, fraction of store-all, or '512MiB').
+def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -> Plan:
+    """Plan ``problem`` under ``budget`` (a ``Budget``, or what ``Budget.parse`` reads).
 
     ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``;
     a callable's plan is re-checked against the budget here, so a buggy user
     solver cannot break the promise silently.
     """
-    fn = _lookup(solver)
+    fn = solver_for(solver)
+    budget = Budget.parse(budget)
     with _no_cycle_collection():
-        limit = resolve_budget(budget, store_all(problem).peak)
+        limit = budget.resolve(store_all(problem).peak)
         plan = fn(problem, limit)
         if not isinstance(plan, Plan):
             raise TypeError(f"solver {solver!r} returned {type(plan).__name__}, expected a Plan")
@@ -60,7 +75,7 @@ def solve(problem: Problem, budget: Budget, solver: str | Solver = "auto") -> Pl
             minimum = min_peak_plan(problem).peak
             if minimum > limit:
                 raise InfeasibleBudget(limit, minimum, store_all(problem).peak, problem.name)
-            raise ValueError(
+            raise SolverOverBudget(
                 f"solver {solver!r} returned a plan peaking at {plan.peak} bytes, over the budget "
                 f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
             )
@@ -89,13 +104,3 @@ def min_peak_plan(problem: Problem) -> Plan:
     """The lowest-peak plan remat can find: what a budget below it is told."""
     return greedy(problem)
 
-
-def _lookup(solver: str | Solver) -> Solver:
-    if callable(solver):
-        return solver
-    if solver not in SOLVERS:
-        raise ValueError(
-            f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)} "
-            "or pass a callable (problem, budget_bytes) -> Plan"
-        )
-    return SOLVERS[solver]

@@ -9,8 +9,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
-from remat import costs, examples
+from remat import costs
 from remat.passes.clones import drop_identity_clones
+from remat.tools import examples
 
 aten = torch.ops.aten
 

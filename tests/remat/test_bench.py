@@ -1,4 +1,4 @@
-"""``remat.bench`` and the ``remat bench`` / ``remat pareto`` commands, on small models."""
+"""``remat.tools.bench`` and the ``remat bench`` / ``remat pareto`` commands, on small models."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import remat
-from remat import bench, cli, examples
-from remat.bench import Row, run_bench
-from remat.cli import main
+from remat.tools import bench, cli, examples
+from remat.tools.bench import Row, run_bench
+from remat.tools.cli import main
 
 # Tiny MLP (as in test_cli): compiles in about a second; remat's minimum is ~48% of store-all.
 MLP_SIZE = {"layers": 8, "width": 32, "batch": 256}

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from remat.cli import INSPECT_COLUMNS, main
+from remat.tools.cli import INSPECT_COLUMNS, main
 
 # Small enough to trace in a second or two, big enough that half the store-all peak is
 # feasible (the smallest peak remat reaches here is ~48% of store-all).
@@ -250,7 +250,7 @@ def test_train_passes_compiler_and_solver(capsys, monkeypatch):
     code, out, err = run(capsys, *argv, "--compiler", "inductor", "--solver", "greedy", "-q")
     assert code == 0, err
     assert seen == {
-        "budget": 300 * 1024,
+        "budget": remat.Budget.parse(300 * 1024),  # parsed once, passed down
         "solver": "greedy",
         "compiler": "inductor",
         "cost_model": "roofline",
@@ -282,7 +282,7 @@ def test_help_and_version_in_process(capsys):
 def test_every_command_takes_one_cost_model_and_bench_a_list(command):
     """``bench``'s list-valued --cost-model once stripped the option from the shared one:
     the commands after it refused --cost-model and listed it as a positional."""
-    from remat.cli import build_parser
+    from remat.tools.cli import build_parser
 
     parser = build_parser()
     argv = [command, "mlp", *(["--budget", "50%"] if command == "plan" else [])]

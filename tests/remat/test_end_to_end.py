@@ -10,8 +10,9 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
 import remat
-from remat import examples, memory
+from remat import memory
 from remat.solvers import min_peak_plan
+from remat.tools import examples
 
 # Small sizes: each optimize() traces once (a few seconds on 2 cores).
 SIZES = {

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat import examples
-from remat.examples import EXAMPLES, load
+from remat.tools import examples
+from remat.tools.examples import EXAMPLES, load
 
 NAMES = sorted(EXAMPLES)
 # Smaller than the defaults, for the tests that build several copies (2 CPU cores).
@@ -146,7 +146,7 @@ def test_sizes_are_keyword_arguments():
 def test_load_builtin_and_module_factory():
     model, inputs = load("mlp", layers=2, width=16, batch=4)
     assert len(model.blocks) == 2 and inputs[0].shape == (4, 16)
-    model, inputs = load("remat.examples:mlp", layers=3, width=8, batch=2)
+    model, inputs = load("remat.tools.examples:mlp", layers=3, width=8, batch=2)
     assert len(model.blocks) == 3
     assert model(*inputs).shape == ()
 
@@ -155,11 +155,11 @@ def test_load_builtin_and_module_factory():
     "spec, pattern",
     [
         ("nope", "unknown model 'nope'"),
-        ("remat.examples:nope", "no attribute 'nope'"),
+        ("remat.tools.examples:nope", "no attribute 'nope'"),
         ("remat_no_such_module_xyz:make", "cannot import module"),
         (":mlp", "bad model spec"),
-        ("remat.examples:", "bad model spec"),
-        ("remat.examples:EXAMPLES", "not callable"),
+        ("remat.tools.examples:", "bad model spec"),
+        ("remat.tools.examples:EXAMPLES", "not callable"),
     ],
 )
 def test_load_rejects_bad_specs(spec, pattern):

@@ -267,7 +267,7 @@ def test_hugging_face_gpt2_with_labels_keeps_the_budget_across_its_graph_break(f
     before the loss. The step keeps a budget given as a fraction of eager's measured peak
     from its second run on, with eager's gradients, or names a minimum that then fits."""
     pytest.importorskip("transformers")
-    from remat import examples
+    from remat.tools import examples
 
     model, (ids,) = examples.load("hf-gpt2-labels", layers=2, d_model=64, seq=64, dropout=0.0)
     reference = copy.deepcopy(model)
@@ -301,7 +301,7 @@ def test_ddp_bucket_graphs_are_one_step():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from remat import examples
+    from remat.tools import examples
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -336,7 +336,7 @@ def test_fsdp2_per_block_graphs_are_planned_as_one_step(caplog):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from remat import examples
+    from remat.tools import examples
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

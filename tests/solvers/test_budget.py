@@ -8,18 +8,18 @@ import pytest
 
 from remat.solvers import (
     SOLVERS,
+    Budget,
     InfeasibleBudget,
+    InvalidOption,
     Plan,
     format_bytes,
     min_peak_plan,
-    parse_budget,
-    resolve_budget,
     solve,
     store_all,
 )
 from remat.solvers.synthetic import chain
 
-# ----------------------------------------------------------------------------- parse_budget
+# ----------------------------------------------------------------------------- Budget.parse
 
 
 @pytest.mark.parametrize(
@@ -43,9 +43,9 @@ from remat.solvers.synthetic import chain
     ],
 )
 def test_absolute_budgets_are_int_bytes(text, expected):
-    value = parse_budget(text)
-    assert value == expected
-    assert type(value) is int
+    budget = Budget.parse(text)
+    assert budget.nbytes == expected and budget.fraction is None
+    assert type(budget.nbytes) is int
 
 
 @pytest.mark.parametrize(
@@ -65,9 +65,17 @@ def test_absolute_budgets_are_int_bytes(text, expected):
     ],
 )
 def test_fractions_are_floats(text, expected):
-    value = parse_budget(text)
-    assert type(value) is float
-    assert value == pytest.approx(expected)
+    budget = Budget.parse(text)
+    assert type(budget.fraction) is float and budget.nbytes is None
+    assert budget.fraction == pytest.approx(expected)
+
+
+def test_a_budget_is_parsed_once_and_keeps_how_it_was_written():
+    budget = Budget.parse(" 40% ")
+    assert Budget.parse(budget) is budget
+    assert str(budget) == "40%"
+    assert budget == Budget.parse(0.4)  # equal by value, not by spelling
+    assert str(Budget.parse(2**20)) == "1.0 MiB"
 
 
 @pytest.mark.parametrize(
@@ -100,22 +108,27 @@ def test_fractions_are_floats(text, expected):
 )
 def test_bad_budgets_are_clear_errors(bad, error, message):
     with pytest.raises(error, match=message):
-        parse_budget(bad)
+        Budget.parse(bad)
+
+
+def test_bad_budget_values_are_invalid_options():
+    with pytest.raises(InvalidOption):
+        Budget.parse("10XB")
 
 
 def test_unknown_unit_lists_the_units():
     with pytest.raises(ValueError) as info:
-        parse_budget("10XB")
+        Budget.parse("10XB")
     for unit in ("KiB", "MiB", "GiB", "GB"):
         assert unit in str(info.value)
 
 
 def test_float_budget_error_points_at_bytes():
     with pytest.raises(ValueError, match="512MiB"):
-        parse_budget(1.5)
+        Budget.parse(1.5)
 
 
-# ----------------------------------------------------------------------------- resolve_budget
+# ----------------------------------------------------------------------------- Budget.resolve
 
 
 @pytest.mark.parametrize(
@@ -133,16 +146,17 @@ def test_float_budget_error_points_at_bytes():
     ],
 )
 def test_resolve_budget(budget, store_all_peak, expected):
-    value = resolve_budget(budget, store_all_peak)
+    value = Budget.parse(budget).resolve(store_all_peak)
     assert value == expected
     assert type(value) is int
 
 
-def test_resolve_budget_rejects_what_parse_rejects():
+def test_solve_rejects_what_parse_rejects():
+    problem = chain(4)
     with pytest.raises(ValueError, match="fraction"):
-        resolve_budget(1.5, 1000)
+        solve(problem, 1.5)
     with pytest.raises(TypeError):
-        resolve_budget(True, 1000)
+        solve(problem, True)
 
 
 # ----------------------------------------------------------------------------- errors

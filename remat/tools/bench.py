@@ -39,7 +39,6 @@ that median (the table's ``+-``): on a shared machine, differences below it are 
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import math
 import random
@@ -54,10 +53,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import examples, memory
+from remat import memory
+from remat.errors import InfeasibleBudget, user_error
+from remat.passes._torch_compat import (
+    aot_autograd,
+    boxed,
+    compile_caches_off,
+    dynamo_config,
+    inductor,
+    min_cut_partition,
+)
 from remat.planner import COST_MODELS
-from remat.solvers import InfeasibleBudget, format_bytes
+from remat.solvers import format_bytes
 from remat.solvers.solve import with_time_limit
+from remat.tools import examples
 
 __all__ = [
     "METHODS",
@@ -200,7 +209,7 @@ def run_bench(
         torch.set_num_threads(threads)
     # Every configuration compiles the same forward code object; keep them all cached.
     limits = {"recompile_limit": 4 * len(configs) + 8, "accumulated_recompile_limit": 4096}
-    torch._dynamo.reset()
+    torch.compiler.reset()
     try:
         # the references on as many threads as the rows: a matmul's sums may be ordered
         # by the thread count (on one CPU eager's own row was 2e-8 off a 2-thread one)
@@ -211,7 +220,7 @@ def run_bench(
                     "the step is random: one plain torch.compile step, the inductor rows' reference"
                 )
                 references["torch.compile"] = _compiled_gradients(model_spec, kwargs)
-        with torch._dynamo.config.patch(**limits):
+        with dynamo_config.patch(**limits):
             for k, cfg in enumerate(configs, 1):
                 tag = f"[{k}/{len(configs)}]"
                 _prepare(cfg, model_spec, kwargs, dev, references, say, tag)
@@ -221,7 +230,7 @@ def run_bench(
                 for cfg in _round_order(live, r):
                     cfg.row.times.append(_timed_step(cfg, dev))
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         if threads is not None and dev.type == "cpu":
             torch.set_num_threads(old_threads)
 
@@ -320,7 +329,7 @@ def _prepare(cfg: _Config, spec, kwargs, dev, references, say: Progress, tag: st
 
         start = time.perf_counter()
         torch.manual_seed(GRAD_SEED)
-        with _compile_context(row.budget if row.method == "torch" else None):
+        with compile_caches_off(row.budget if row.method == "torch" else None):
             _step(cfg)
         _sync(dev)
         row.compile_s = time.perf_counter() - start
@@ -337,7 +346,7 @@ def _prepare(cfg: _Config, spec, kwargs, dev, references, say: Progress, tag: st
     except InfeasibleBudget as e:
         row.error = _infeasible(e)
     except Exception as e:  # a failed configuration is a row, not the end of the benchmark
-        user = _budget_error(e)
+        user = user_error(e)
         if isinstance(user, InfeasibleBudget):
             row.error = _infeasible(user)
         elif user is not None:
@@ -369,13 +378,6 @@ def _infeasible(e: InfeasibleBudget) -> str:
     )
 
 
-def _budget_error(exc: BaseException) -> BaseException | None:
-    """An InfeasibleBudget or a planner's budget ValueError behind ``exc`` (dynamo wraps)."""
-    from remat.cli import _user_error
-
-    return _user_error(exc)
-
-
 class _Checkpointed(nn.Module):
     """``torch.utils.checkpoint`` around one block (non-reentrant, any arguments)."""
 
@@ -391,54 +393,18 @@ class _Checkpointed(nn.Module):
 
 def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
     if compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
         # Inductor partitions with min-cut. A backend object of its own per configuration:
         # with the shared "inductor" one dynamo reused the first budget's compiled step for
         # every later budget (same code, guards passing), so all measured alike.
-        def inductor(gm, example_inputs):
-            return compile_fx(gm, example_inputs)
+        def backend(gm, example_inputs):
+            return inductor(gm, example_inputs)
 
-        return torch.compile(model, backend=inductor, dynamic=False)
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+        return torch.compile(model, backend=backend, dynamic=False)
+    def plain(gm, _example_inputs):  # fx run as Python, as remat's eager compiler does
+        return boxed(gm)
 
-    backend = aot_autograd(
-        fw_compiler=boxed_nop,
-        bw_compiler=boxed_nop,
-        # compiler="inductor" picks the set of ops min-cut may recompute (its default).
-        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-    )
+    backend = aot_autograd(fw_compiler=plain, bw_compiler=plain, partition_fn=min_cut_partition)
     return torch.compile(model, backend=backend, dynamic=False)
-
-
-class _compile_context:
-    """torch's budget (``None``: its default) is read while partitioning, at the first
-    call; caches stay off so a cached partition from another budget is never reused."""
-
-    def __init__(self, budget: float | None = None) -> None:
-        self.budget = budget
-        self.stack: list = []
-
-    def __enter__(self):
-        from torch._functorch import config as functorch_config
-        from torch._inductor import config as inductor_config
-
-        patches = [
-            functorch_config.patch(enable_autograd_cache=False),
-            inductor_config.patch(fx_graph_cache=False),
-        ]
-        if self.budget is not None:
-            patches.append(functorch_config.patch(activation_memory_budget=float(self.budget)))
-        for p in patches:
-            p.__enter__()
-            self.stack.append(p)
-        return self
-
-    def __exit__(self, *exc):
-        while self.stack:
-            self.stack.pop().__exit__(*exc)
 
 
 def _step(cfg: _Config) -> None:
@@ -469,7 +435,7 @@ def _compiled_gradients(spec, kwargs) -> list[torch.Tensor]:
     model, inputs = examples.load(spec, **kwargs)
     compiled = _torch_compiled(model, "inductor")
     torch.manual_seed(GRAD_SEED)
-    with _compile_context():
+    with compile_caches_off():
         compiled(*inputs).backward()
     return _gradients(model)
 
@@ -559,7 +525,7 @@ def pareto_budgets(
     try:
         report = remat.plan(model, inputs, budget=1.0, cost_model=cost_model)
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     steps = report.steps
     problem = steps[0].composed.problem if steps else report.graphs[0].extracted.problem
     hi, lo = store_all(problem).peak, min_peak_plan(problem).peak

@@ -5,10 +5,10 @@
 - ``remat train MODEL``: a few SGD steps with ``remat.optimize`` and eagerly, side by side
   (measured peak memory, step time, losses).
 - ``remat bench MODEL``: measured peak memory and step time of eager, checkpointing per block,
-  torch's min-cut partitioner and remat, at a list of budgets (``remat.bench``).
+  torch's min-cut partitioner and remat, at a list of budgets (``remat.tools.bench``).
 - ``remat pareto MODEL``: remat's measured memory/time frontier, store-all down to its minimum.
 
-MODEL is a built-in example (``remat.examples.EXAMPLES``) or ``package.module:factory``;
+MODEL is a built-in example (``remat.tools.examples.EXAMPLES``) or ``package.module:factory``;
 ``--size key=value`` passes keyword arguments to the factory. Every mistake a user can make
 (bad budget, unknown model or solver, infeasible budget) prints one line on stderr and exits
 with status 2; progress goes to stderr, results to stdout.
@@ -26,19 +26,15 @@ from typing import Any
 
 from tabulate import tabulate
 
+from remat.errors import RematError, user_error
 from remat.planner import COST_MODELS
-from remat.solvers import SOLVERS, InfeasibleBudget, format_bytes, parse_budget
+from remat.solvers import SOLVERS, Budget, format_bytes
 from remat.solvers.solve import CPSAT_SOLVERS, with_time_limit
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-# Modules whose ValueErrors are verdicts on the user's request (a fixed solver over the
-# budget, a budget used up by earlier graphs), not bugs; they reach us wrapped by dynamo.
-_USER_ERROR_MODULES = frozenset(
-    {"remat.planner", "remat.solvers.budget", "remat.solvers.heuristics"}
-)
 SORT_KEYS = ("order", "bytes", "time")
 
 
@@ -54,12 +50,11 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------- arguments
 
 
-def _budget(text: str) -> str:
+def _budget(text: str) -> Budget:
     try:
-        parse_budget(text)
-    except (TypeError, ValueError) as e:
+        return Budget.parse(text)
+    except RematError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def _size(text: str) -> tuple[str, Any]:
@@ -105,7 +100,7 @@ def _solver_names() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from remat import __version__
-    from remat.examples import EXAMPLES
+    from remat.tools.examples import EXAMPLES
 
     builtins = ", ".join(sorted(EXAMPLES))
     parser = _Parser(
@@ -342,6 +337,9 @@ def _cost_model_list(text: str) -> list[str]:
 
 
 def _budget_list(text: str) -> list[float | int]:
+    """Fractions (floats) and bytes (ints) for torch and remat alike. A plain number in
+    [0, 1] is a fraction even without a point (``1`` is store-all, not one byte), and 0 is
+    let through for torch's knob (the bench refuses it for remat)."""
     values: list[float | int] = []
     for token in text.split(","):
         token = token.strip()
@@ -355,11 +353,10 @@ def _budget_list(text: str) -> list[float | int]:
             values.append(number)
             continue
         try:
-            values.append(int(parse_budget(token)) if number is None or number > 1 else -1)
-        except (TypeError, ValueError) as e:
+            budget = Budget.parse(token)
+        except RematError as e:
             raise argparse.ArgumentTypeError(f"budget {token!r}: {e}") from None
-        if values[-1] < 0:
-            raise argparse.ArgumentTypeError(f"budget {token!r} is negative")
+        values.append(budget.fraction if budget.fraction is not None else budget.nbytes)
     return values
 
 
@@ -401,8 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("remat: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        user = _user_error(e)
-        if user is None:
+        user = user_error(e)
+        if user is None:  # a bug: the traceback is what a report needs
             raise
         print(f"remat {args.command}: error: {_one_line(str(user))}", file=sys.stderr)
         return EXIT_USAGE
@@ -446,33 +443,6 @@ class _PlannerLog(logging.Handler):
         self.logger.setLevel(self.old_level)
 
 
-def _user_error(exc: BaseException) -> BaseException | None:
-    """The user's mistake behind ``exc`` (dynamo wraps backend errors), or None for a bug."""
-    seen: set[int] = set()
-    chain: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    for e in chain:
-        if isinstance(e, InfeasibleBudget):
-            return e
-    for e in chain:
-        if isinstance(e, ValueError) and _raised_in(e) in _USER_ERROR_MODULES:
-            return e
-    return None
-
-
-def _raised_in(exc: BaseException) -> str | None:
-    tb = exc.__traceback__
-    if tb is None:
-        return None
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_globals.get("__name__")
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -484,7 +454,7 @@ def _load(args, progress: _Progress):
     """(model, inputs) for MODEL and --size; UsageError for an unknown model or bad size."""
     import torch
 
-    from remat import examples
+    from remat.tools import examples
 
     kwargs = dict(args.size)
     if args.device is not None:
@@ -519,7 +489,7 @@ def _plan(args, model, inputs, budget, solver, progress: _Progress):
 
     progress(f"tracing {args.model} (dynamo + AOTAutograd) and planning (budget {budget})...")
     return remat.plan(
-        model, inputs, budget=parse_budget(budget), solver=solver, cost_model=args.cost_model
+        model, inputs, budget=budget, solver=solver, cost_model=args.cost_model
     )
 
 
@@ -713,7 +683,7 @@ def cmd_train(args, progress: _Progress) -> int:
     try:
         optimized = remat.optimize(
             model,
-            parse_budget(args.budget),
+            args.budget,
             solver=_solver(args),
             compiler=args.compiler,
             cost_model=args.cost_model,
@@ -888,7 +858,7 @@ def _bench_setup(args, progress: _Progress) -> tuple[str | None, str, dict]:
 
 
 def _bench_output(args, rows, meta: dict) -> None:
-    from remat import bench
+    from remat.tools import bench
 
     print(bench.rows_table(rows))
     if args.csv:
@@ -922,7 +892,7 @@ def _bench_meta(args, device: str, **extra) -> dict:
 
 
 def cmd_bench(args, progress: _Progress) -> int:
-    from remat import bench
+    from remat.tools import bench
 
     _check_time_limit(args, args.solvers)
     device, measured_on, size = _bench_setup(args, progress)
@@ -968,7 +938,7 @@ def _nearest_text(rows, torch_row) -> str:
     """A missed torch point, with how far remat's fastest point at no more memory is,
     in how many rounds it was faster, and the two rows' timing spread: a miss within the
     spread, faster in about half the rounds, is a tie."""
-    from remat import bench
+    from remat.tools import bench
 
     best = bench.fastest_within(rows, torch_row.peak_bytes)
     if best is None:
@@ -983,7 +953,7 @@ def _nearest_text(rows, torch_row) -> str:
 
 
 def cmd_pareto(args, progress: _Progress) -> int:
-    from remat import bench
+    from remat.tools import bench
 
     _check_time_limit(args, [args.solver])
     device, measured_on, size = _bench_setup(args, progress)

@@ -1,0 +1,76 @@
+"""Every error remat raises on a user's request rather than from a bug in itself.
+
+Each is a ``RematError`` (the CLI and the bench report those as one line, by type) and
+also the builtin a caller would catch (``ValueError``, ``RuntimeError``). The budget and
+solver errors come from ``remat.solvers`` (which has no torch); the rest need torch's
+compile stack to arise.
+"""
+
+from __future__ import annotations
+
+from remat.solvers.errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
+
+__all__ = [
+    "DynamicShapes",
+    "InfeasibleBudget",
+    "InvalidOption",
+    "NothingCompiled",
+    "RecompileLimitHit",
+    "RematError",
+    "SolverOverBudget",
+    "user_error",
+]
+
+
+def user_error(exc: BaseException) -> RematError | None:
+    """The ``RematError`` behind ``exc`` (dynamo wraps a backend's errors in its own), or
+    None when ``exc`` comes from a bug."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, RematError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+class DynamicShapes(RematError, ValueError):
+    """dynamo handed over a graph with symbolic sizes; remat plans concrete shapes only."""
+
+    def __init__(self, graph: str, symbols: list[str]) -> None:
+        super().__init__(
+            f"remat plans a step at concrete shapes, but {graph}'s inputs have symbolic sizes "
+            f"({', '.join(symbols)}): torch.compile made the graph dynamic (it does "
+            "so by itself when a second input shape arrives). Pass dynamic=False, as in "
+            "torch.compile(model, backend=remat.backend(budget), dynamic=False) (remat.optimize "
+            "does), so each input shape is planned on its own."
+        )
+
+
+class NothingCompiled(RematError, RuntimeError):
+    """dynamo captured no graph from the forward and ran it eagerly, outside the budget."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(
+            f"remat planned nothing for {model_name}: torch.compile captured no graph "
+            "from it and ran it eagerly, outside remat's budget. TORCH_LOGS=graph_breaks "
+            "names the reason; nn.LSTM, nn.GRU and nn.RNN, for one, make dynamo skip the "
+            "whole forward unless torch._dynamo.config.allow_rnn = True (GRU then trains "
+            "under remat; LSTM fails in torch 2.13's own AOT autograd on CPU)."
+        )
+
+
+class RecompileLimitHit(RematError, RuntimeError):
+    """dynamo's recompile limit stopped remat from planning a step, which would otherwise
+    have run eagerly, outside the budget."""
+
+    def __init__(self, model_name: str, limit: int) -> None:
+        super().__init__(
+            f"torch.compile hit dynamo's recompile limit ({limit}) on {model_name}, "
+            "so this step would run eagerly, outside remat's budget. Every remat.optimize "
+            f"of a {model_name} in one process, and every new input shape, compiles that "
+            "forward once more. Raise torch._dynamo.config.recompile_limit, call "
+            "torch._dynamo.reset() before optimizing another model (earlier ones then plan "
+            "again at their next call), or keep input shapes fixed."
+        )
