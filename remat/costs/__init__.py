@@ -6,10 +6,21 @@
 * ``remat.costs.device``: device specs and the roofline time estimate.
 * ``remat.costs.measured``: kernel time and scratch memory measured on the device.
 
+The cost-model registry lives here: ``COST_MODELS`` names the choices a user has (the
+planner, the CLI and the bench all read it), ``check_cost_model`` refuses any other name,
+and ``CostModel`` is what a name stands for on one graph.
+
 Why the rules are what they are, and where the figures come from: docs/cost-model.md.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from remat.errors import InvalidOption
 
 from .device import DeviceSpec, estimate_seconds
 from .flags import has_side_effects, is_random, random_numbers
@@ -23,12 +34,15 @@ from .measured import (
 )
 
 __all__ = [
+    "COST_MODELS",
+    "CostModel",
     "DeviceSpec",
     "KernelMemory",
     "ProfileResult",
     "aliased_input",
     "allocated_bytes",
     "bytes_moved",
+    "check_cost_model",
     "estimate_seconds",
     "flops",
     "has_side_effects",
@@ -39,3 +53,60 @@ __all__ = [
     "random_numbers",
     "scratch_measurable",
 ]
+
+# roofline: time estimated from flops and bytes (``device``); profile: each distinct
+# kernel timed on the device (``measured``). Both measure each kernel's memory.
+COST_MODELS = ("roofline", "profile")
+
+
+def check_cost_model(name: str) -> str:
+    """``name`` if it is one of ``COST_MODELS``; ``InvalidOption`` listing them otherwise."""
+    if name not in COST_MODELS:
+        raise InvalidOption(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}")
+    return name
+
+
+@dataclass
+class CostModel:
+    """Node facts for ``passes.extract``: bytes and aliasing from fake tensors (bytes
+    raised to a kernel's measured output storage), scratch measured per kernel, time by
+    roofline estimate or, with ``measured``, by timing each op on the device."""
+
+    spec: DeviceSpec
+    device: torch.device
+    measured: dict[str, float] = field(default_factory=dict)
+    kernels: dict = field(default_factory=dict)  # kernel_memory's cache
+
+    @classmethod
+    def for_graph(cls, name: str, joint: fx.GraphModule, device: torch.device) -> CostModel:
+        """The cost model ``name`` (one of ``COST_MODELS``) of ``joint`` on ``device``;
+        with "profile", every distinct kernel of ``joint`` is timed now."""
+        check_cost_model(name)
+        model = cls(DeviceSpec.for_device(device), device)
+        if name == "profile":
+            model.measured.update(profile_seconds(joint, device))
+        return model
+
+    def allocated_bytes(self, node: fx.Node) -> int:
+        """The fake tensors' sizes, or the measured storage where a single output's is
+        larger (``KernelMemory``); never less, so the budget stays safe."""
+        nominal = allocated_bytes(node)
+        if nominal == 0 or isinstance(node.meta.get("val"), (list, tuple)):
+            return nominal  # aliases, views, multi-output ops (their parts own the bytes)
+        measured = kernel_memory(node, self.device, self.kernels)
+        return nominal if measured is None else max(nominal, measured.storage)
+
+    def aliased_input(self, node: fx.Node) -> fx.Node | None:
+        return aliased_input(node)
+
+    def seconds(self, node: fx.Node) -> float:
+        if node.name in self.measured:
+            return self.measured[node.name]
+        return estimate_seconds(node, self.spec)
+
+    def workspace(self, node: fx.Node) -> int:
+        measured = kernel_memory(node, self.device, self.kernels)
+        return 0 if measured is None else measured.scratch
+
+    def recomputable(self, node: fx.Node) -> bool:
+        return not (is_random(node) or has_side_effects(node))
