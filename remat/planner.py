@@ -18,12 +18,13 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from remat import costs
+from remat.costs import CostModel, check_cost_model
 from remat.errors import DynamicShapes
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
@@ -45,45 +46,6 @@ from remat.solvers.cpsat import cpsat
 from remat.solvers.solve import CPSAT_SOLVERS, Solver, solver_for
 
 log = logging.getLogger("remat")
-
-COST_MODELS = ("roofline", "profile")
-
-
-@dataclass
-class CostModel:
-    """Node facts for ``passes.extract``: bytes and aliasing from fake tensors (bytes
-    raised to a kernel's measured output storage), scratch measured per kernel, time by
-    roofline estimate or, with ``measured``, by timing each op on the device."""
-
-    spec: costs.DeviceSpec
-    device: torch.device
-    measured: dict[str, float] = field(default_factory=dict)
-    kernels: dict = field(default_factory=dict)  # costs.kernel_memory's cache
-
-    def allocated_bytes(self, node: fx.Node) -> int:
-        """The fake tensors' sizes, or the measured storage where a single output's is
-        larger (``costs.KernelMemory``); never less, so the budget stays safe."""
-        nominal = costs.allocated_bytes(node)
-        if nominal == 0 or isinstance(node.meta.get("val"), (list, tuple)):
-            return nominal  # aliases, views, multi-output ops (their parts own the bytes)
-        measured = costs.kernel_memory(node, self.device, self.kernels)
-        return nominal if measured is None else max(nominal, measured.storage)
-
-    def aliased_input(self, node: fx.Node) -> fx.Node | None:
-        return costs.aliased_input(node)
-
-    def seconds(self, node: fx.Node) -> float:
-        if node.name in self.measured:
-            return self.measured[node.name]
-        return costs.estimate_seconds(node, self.spec)
-
-    def workspace(self, node: fx.Node) -> int:
-        measured = costs.kernel_memory(node, self.device, self.kernels)
-        return 0 if measured is None else measured.scratch
-
-    def recomputable(self, node: fx.Node) -> bool:
-        return not (costs.is_random(node) or costs.has_side_effects(node))
-
 
 @dataclass(frozen=True)
 class GraphPlan:
@@ -115,8 +77,7 @@ class Planner:
     def __init__(
         self, budget: BudgetLike, *, solver: str | Solver = "auto", cost_model: str = "roofline"
     ) -> None:
-        if cost_model not in COST_MODELS:
-            raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+        check_cost_model(cost_model)  # fail at construction, not at the first forward
         solver_for(solver)  # fail at construction, not at the first forward
         self.budget = Budget.parse(budget)
         self.solver = solver
@@ -247,11 +208,7 @@ class Planner:
         return max(self.budget.nbytes - held, 1)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
-        device = _device_of(joint)
-        model = CostModel(costs.DeviceSpec.for_device(device), device)
-        if self.cost_model == "profile":
-            model.measured.update(costs.profile_seconds(joint, device))
-        return model
+        return CostModel.for_graph(self.cost_model, joint, _device_of(joint))
 
 
 def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:

@@ -12,9 +12,19 @@ import torch
 from torch import nn
 
 import remat
-from remat.tools import bench, cli, examples
-from remat.tools.bench import Row, run_bench
+from remat.tools import bench, commands, examples
+from remat.tools.bench import run_bench
 from remat.tools.cli import main
+from remat.tools.rows import (
+    GRAD_TOLERANCE,
+    Row,
+    dominates,
+    fastest_within,
+    frontier,
+    plot_rows,
+    rounds_faster,
+    rows_table,
+)
 
 # Tiny MLP (as in test_cli): compiles in about a second; remat's minimum is ~48% of store-all.
 MLP_SIZE = {"layers": 8, "width": 32, "batch": 256}
@@ -108,7 +118,7 @@ def test_remat_peak_within_budget_and_monotone(mlp_rows):
     assert infeasible.budget == 0.2
     assert infeasible.error.startswith("infeasible: budget") and "minimum" in infeasible.error
     assert infeasible.peak_bytes is None and infeasible.step_s is None
-    assert "infeasible" in bench.rows_table(mlp_rows)
+    assert "infeasible" in rows_table(mlp_rows)
 
 
 def test_checkpoint_row_without_blocks(monkeypatch):
@@ -167,30 +177,30 @@ def test_dominates_and_frontier():
 
     t1, t2 = row("torch", 100, 1.0, 1.0), row("torch", 60, 1.3, 0.5)
     r1, r2 = row("remat", 100, 1.01, 1.0), row("remat", 70, 1.1, 0.6)
-    verdicts = dict((t.budget, r) for t, r in bench.dominates([t1, t2, r1, r2]))
+    verdicts = dict((t.budget, r) for t, r in dominates([t1, t2, r1, r2]))
     assert verdicts[1.0] is r1  # 1.01 <= 1.02 x 1.0
     assert verdicts[0.5] is None  # nothing at peak <= 60
-    assert bench.fastest_within([t1, r1, r2], 100) is r1 and bench.fastest_within([r2], 60) is None
+    assert fastest_within([t1, r1, r2], 100) is r1 and fastest_within([r2], 60) is None
     t4, r4 = row("torch", 80, 1.0, 0.7), row("remat", 75, 1.05, 0.65)
     t4.spread, r4.spread = 0.01, 0.04
-    assert bench.dominates([t4, r4]) == [(t4, None)]  # 1.05x: a miss, within the noise
-    assert cli._nearest_text([t4, r4], t4) == (
+    assert dominates([t4, r4]) == [(t4, None)]  # 1.05x: a miss, within the noise
+    assert commands._nearest_text([t4, r4], t4) == (
         "torch min-cut @ 0.7 (nearest: remat auto @ 0.65 at 1.050x its time, +-4.0%)"
     )
-    assert "no remat point" in cli._nearest_text([t4], t4)
+    assert "no remat point" in commands._nearest_text([t4], t4)
     t4.times, r4.times = [1.0, 1.2, 0.9, 1.0], [1.0, 1.1, 1.0, 0.95]  # rounds, in order
-    assert bench.rounds_faster(r4, t4) == (2, 4) and bench.rounds_faster(t4, r4) == (1, 4)
-    assert cli._nearest_text([t4, r4], t4) == (
+    assert rounds_faster(r4, t4) == (2, 4) and rounds_faster(t4, r4) == (1, 4)
+    assert commands._nearest_text([t4, r4], t4) == (
         "torch min-cut @ 0.7 (nearest: remat auto @ 0.65 at 1.050x its time, "
         "faster in 2/4 rounds, +-4.0%)"
     )
-    assert bench.frontier([t1, t2, r1, r2]) == [t1, t2, r2]
+    assert frontier([t1, t2, r1, r2]) == [t1, t2, r2]
     # Wrong gradients: such a torch point needs no dominating, such a remat point cannot.
     t3 = row("torch", 10, 1.0, 0.1)
     t3.grad_error = 0.1
     r3 = row("remat", 50, 1.0, 0.4)
     r3.grad_error = 0.1
-    verdicts = bench.dominates([t1, t2, t3, r1, r2, r3])
+    verdicts = dominates([t1, t2, t3, r1, r2, r3])
     assert [t for t, _ in verdicts] == [t1, t2] and verdicts[1][1] is None  # r3 is not used
 
 
@@ -201,9 +211,9 @@ def test_bench_flags_wrong_gradients_of_recomputed_dropout():
     size = dict(layers=3, d_model=64, heads=4, seq=128, batch=4, vocab=128, dropout=0.1)
     rows = run_bench("gpt", [0.5], methods=("eager", "torch", "remat"), repeat=1, size_kwargs=size)
     eager, torch_row, remat_row = rows
-    assert torch_row.grad_error > bench.GRAD_TOLERANCE and not torch_row.grads_ok
+    assert torch_row.grad_error > GRAD_TOLERANCE and not torch_row.grads_ok
     assert remat_row.error is None and remat_row.grads_ok, remat_row
-    table = bench.rows_table(rows)
+    table = rows_table(rows)
     assert "WRONG" in table and "= eager" in table
 
 
@@ -362,7 +372,7 @@ def test_plot_without_matplotlib_is_a_usage_error(capsys, tmp_path):
 
 def test_plot_writes_png(tmp_path, mlp_rows):
     pytest.importorskip("matplotlib", reason="the 'plot' extra (matplotlib) is not installed")
-    bench.plot_rows(mlp_rows, tmp_path / "p.png", title="mlp")
+    plot_rows(mlp_rows, tmp_path / "p.png", title="mlp")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from remat.tools.cli import INSPECT_COLUMNS, main
+from remat.tools.cli import main
+from remat.tools.output import INSPECT_COLUMNS
 
 # Small enough to trace in a second or two, big enough that half the store-all peak is
 # feasible (the smallest peak remat reaches here is ~48% of store-all).

@@ -856,9 +856,10 @@ def test_fused_rnn_backward_is_never_run_on_synthetic_inputs(caplog):
 
 def test_cost_model_names_are_checked_against_one_registry():
     from remat.errors import InvalidOption
-    from remat.planner import COST_MODELS
+    from remat.tools import bench, cli
 
-    assert COST_MODELS is costs.COST_MODELS == ("roofline", "profile")
+    COST_MODELS = costs.COST_MODELS
+    assert cli.COST_MODELS is bench.COST_MODELS is COST_MODELS == ("roofline", "profile")
     assert all(costs.check_cost_model(name) == name for name in COST_MODELS)
     with pytest.raises(InvalidOption, match="'guess'; choose one of roofline, profile"):
         costs.check_cost_model("guess")

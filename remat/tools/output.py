@@ -1,0 +1,182 @@
+"""What the ``remat`` commands print about a model: the joint graph (``inspect``), a plan
+(``plan``, ``train``) and a training comparison (``train``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tabulate import tabulate
+
+from remat.solvers import format_bytes
+
+__all__ = ["INSPECT_COLUMNS", "format_seconds", "inspect_table", "plan_table", "train_table"]
+
+INSPECT_COLUMNS = (
+    "#",
+    "name",
+    "op",
+    "shape",
+    "dtype",
+    "bytes",
+    "est. time",
+    "phase",
+    "recomputable",
+    "view of",
+)
+
+
+def inspect_table(
+    g, index: int, count: int, *, sort: str = "order", limit: int | None = None
+) -> str:
+    """One graph of ``remat inspect``: heading, node table, summary line."""
+    problem, fx_nodes = g.extracted.problem, g.extracted.fx_nodes
+    nodes = problem.nodes
+    order = list(range(len(nodes)))
+    if sort == "bytes":
+        order.sort(key=lambda i: -nodes[i].bytes)
+    elif sort == "time":
+        order.sort(key=lambda i: -nodes[i].cost)
+    shown = order if limit is None else order[:limit]
+    # Scratch memory of kernels (convolutions): a column only where some node has any.
+    workspace = any(getattr(n, "workspace", 0) for n in nodes)
+    rows = []
+    for i in shown:
+        node, fx_node = nodes[i], fx_nodes[i]
+        shape, dtype = _shape_dtype(fx_node.meta.get("val"))
+        row = [
+            i,
+            node.name,
+            _op_label(node, fx_node, nodes),
+            shape,
+            dtype,
+            format_bytes(node.bytes),
+            format_seconds(node.cost),
+            node.phase,
+            "yes" if node.recomputable else "no",
+            nodes[node.alias_of].name if node.alias_of is not None else "",
+        ]
+        if workspace:
+            row.append(format_bytes(node.workspace) if node.workspace else "")
+        rows.append(row)
+    headers = INSPECT_COLUMNS + (("workspace",) if workspace else ())
+    n_fwd = sum(1 for n in nodes if n.phase == "fwd")
+    act = sum(n.bytes for n in nodes if n.phase == "fwd")
+    heading = f"{g.name} (graph {index + 1} of {count}, sorted by {sort})"
+    summary = (
+        f"{g.name}: {len(nodes)} nodes ({n_fwd} fwd, {len(nodes) - n_fwd} bwd), "
+        f"activation bytes {format_bytes(act)} ({act} B, all forward values), "
+        f"resident {format_bytes(problem.resident_bytes)} (parameters and inputs), "
+        f"store-all peak {format_bytes(g.store_all.peak)}"
+    )
+    if len(shown) < len(nodes):
+        summary += f"; showing {len(shown)} of {len(nodes)} rows"
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    return f"{heading}\n{table}\n{summary}"
+
+
+def _op_label(node, fx_node, nodes) -> str:
+    if node.output_of is not None and len(fx_node.args) > 1:
+        return f"{nodes[node.output_of].name}[{fx_node.args[1]}]"
+    return node.op.removesuffix(".default")
+
+
+def _shape_dtype(val: Any) -> tuple[str, str]:
+    import torch
+
+    if isinstance(val, torch.Tensor):
+        return "[" + ", ".join(str(d) for d in val.shape) + "]", str(val.dtype).removeprefix(
+            "torch."
+        )
+    if isinstance(val, (tuple, list)):
+        parts = [_shape_dtype(v) for v in val]
+        dtypes = sorted({d for _, d in parts if d})
+        return "(" + ", ".join(s or "-" for s, _ in parts) + ")", "/".join(dtypes)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "", type(val).__name__
+    return "", ""
+
+
+def format_seconds(s: float) -> str:
+    """Seconds in the unit that reads best: '7.6 µs', '12.3 ms', '1.20 s'."""
+    if s == 0:
+        return "0"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def plan_table(report, budget: str) -> str:
+    """``remat plan``'s output: one column per graph, then a summary line."""
+    if not report.graphs:
+        return "no graph was compiled (does the model's forward run any torch op?)"
+    metrics: list[tuple[str, Callable]] = [
+        ("nodes", lambda g: len(g.extracted.problem)),
+        ("budget", lambda g: format_bytes(g.budget)),
+        ("saved values", lambda g: len(g.plan.saved)),
+        ("saved bytes", lambda g: format_bytes(g.saved_bytes)),
+        ("recomputed values", lambda g: len(g.plan.recomputed)),
+        ("recomputed bytes", lambda g: format_bytes(_recomputed_bytes(g))),
+        ("predicted peak", lambda g: format_bytes(g.plan.peak)),
+        ("store-all peak", lambda g: format_bytes(g.store_all.peak)),
+        ("peak / store-all", lambda g: f"{g.plan.peak / max(g.store_all.peak, 1):.1%}"),
+        ("recompute (est.)", lambda g: format_seconds(g.plan.recompute_cost)),
+        ("recompute overhead", lambda g: f"+{_overhead(g):.1%} of forward"),
+        ("solver", lambda g: g.plan.solver),
+        ("status", lambda g: g.plan.status),
+        ("lower bound", lambda g: "-" if g.plan.bound is None else format_seconds(g.plan.bound)),
+        ("gap", lambda g: "-" if g.plan.gap is None else f"{g.plan.gap:.1%}"),
+        ("solve time", lambda g: f"{g.plan.solve_seconds:.3f} s"),
+        ("plan time", lambda g: f"{g.plan_seconds:.3f} s"),
+    ]
+    rows = [(label, *(str(f(g)) for g in report.graphs)) for label, f in metrics]
+    headers = ("", *(g.name for g in report.graphs))
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    predicted, store_all = report.predicted_peak, report.store_all_peak
+    summary = (
+        f"budget {budget}: predicted peak {format_bytes(predicted)} ({predicted} B), "
+        f"{predicted / max(store_all, 1):.1%} of the store-all peak {format_bytes(store_all)} "
+        f"({store_all} B)"
+    )
+    if len(report.graphs) > 1:
+        summary += f"; {len(report.graphs)} graphs (graph breaks), planned one after another"
+    return f"{table}\n{summary}"
+
+
+def _recomputed_bytes(g) -> int:
+    problem = g.extracted.problem
+    return sum(problem.nodes[i].bytes for i in g.plan.recomputed)
+
+
+def _overhead(g) -> float:
+    """Recompute cost as a fraction of the forward's estimated time (as ``PlanReport``)."""
+    problem = g.extracted.problem
+    fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
+    return g.plan.recompute_cost / max(fwd_cost, 1e-12)
+
+
+def train_table(args, report, peaks, times, losses) -> str:
+    budgets = sorted({g.budget for g in report.graphs})
+    budget = f"{args.budget} = {format_bytes(budgets[0])}" if len(budgets) == 1 else args.budget
+    rows = [
+        (
+            "peak memory (measured, fwd+bwd)",
+            format_bytes(peaks["eager"]),
+            format_bytes(peaks["remat"]),
+        ),
+        (
+            "predicted peak",
+            f"{format_bytes(report.store_all_peak)} (store-all)",
+            format_bytes(report.predicted_peak),
+        ),
+        ("budget", "-", budget),
+        (
+            f"step time (median of {args.repeat})",
+            format_seconds(times["eager"]),
+            format_seconds(times["remat"]),
+        ),
+    ]
+    for i, (a, b) in enumerate(zip(losses["eager"], losses["remat"], strict=True)):
+        rows.append((f"loss step {i + 1}", f"{a:.6f}", f"{b:.6f}"))
+    return tabulate(rows, headers=("", "eager", "remat"), tablefmt="simple", disable_numparse=True)
