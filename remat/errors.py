@@ -71,6 +71,6 @@ class RecompileLimitHit(RematError, RuntimeError):
             "so this step would run eagerly, outside remat's budget. Every remat.optimize "
             f"of a {model_name} in one process, and every new input shape, compiles that "
             "forward once more. Raise torch._dynamo.config.recompile_limit, call "
-            "torch._dynamo.reset() before optimizing another model (earlier ones then plan "
+            "torch.compiler.reset() before optimizing another model (earlier ones then plan "
             "again at their next call), or keep input shapes fixed."
         )

@@ -240,6 +240,11 @@ def _add_inspect(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         default="order",
         help="row order: execution order (default), bytes or estimated time, largest first",
     )
+    inspect.add_argument(
+        "--dot",
+        metavar="FILE",
+        help="also write the graphs as Graphviz DOT (one box per value, an edge per read)",
+    )
     inspect.set_defaults(run=cmd_inspect)
 
 
@@ -258,6 +263,11 @@ def _add_plan(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         metavar="B",
         help="peak bytes of one training step: '300MiB', '2GB', 1073741824 (bytes), or a "
         "fraction of the store-all peak: '40%%' or 0.4",
+    )
+    plan.add_argument(
+        "--dot",
+        metavar="FILE",
+        help="also write the graphs as Graphviz DOT, saved values blue, recomputed orange",
     )
     plan.set_defaults(run=cmd_plan)
 

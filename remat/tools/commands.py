@@ -7,12 +7,13 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from remat.solvers import format_bytes
 from remat.solvers.solve import CPSAT_SOLVERS, with_time_limit
 from remat.tools import bench, examples
-from remat.tools.output import format_seconds, inspect_table, plan_table, train_table
+from remat.tools.output import dot, format_seconds, inspect_table, plan_table, train_table
 from remat.tools.rows import (
     dominates,
     fastest_within,
@@ -128,13 +129,24 @@ def cmd_inspect(args, progress: Progress) -> int:
         if k:
             print()
         print(inspect_table(g, index, len(report.graphs), sort=args.sort, limit=args.limit))
+    _write_dot(args, [g for _, g in graphs], with_plan=False, progress=progress)
     return EXIT_OK
+
+
+def _write_dot(args, graphs, *, with_plan: bool, progress: Progress) -> None:
+    """``--dot FILE``: the graphs (and their plans) as Graphviz DOT."""
+    if args.dot:
+        path = Path(args.dot)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dot(graphs, with_plan=with_plan))
+        progress(f"wrote {path} (render: dot -Tsvg {path} -o graph.svg)")
 
 
 def cmd_plan(args, progress: Progress) -> int:
     model, inputs = _load(args, progress)
     report = _plan(args, model, inputs, args.budget, _solver(args), progress)
     print(plan_table(report, args.budget))
+    _write_dot(args, report.graphs, with_plan=True, progress=progress)
     return EXIT_OK
 
 

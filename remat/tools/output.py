@@ -10,7 +10,14 @@ from tabulate import tabulate
 
 from remat.solvers import format_bytes
 
-__all__ = ["INSPECT_COLUMNS", "format_seconds", "inspect_table", "plan_table", "train_table"]
+__all__ = [
+    "INSPECT_COLUMNS",
+    "dot",
+    "format_seconds",
+    "inspect_table",
+    "plan_table",
+    "train_table",
+]
 
 INSPECT_COLUMNS = (
     "#",
@@ -180,3 +187,35 @@ def train_table(args, report, peaks, times, losses) -> str:
     for i, (a, b) in enumerate(zip(losses["eager"], losses["remat"], strict=True)):
         rows.append((f"loss step {i + 1}", f"{a:.6f}", f"{b:.6f}"))
     return tabulate(rows, headers=("", "eager", "remat"), tablefmt="simple", disable_numparse=True)
+
+
+# Fill colours of ``dot``: what a plan does with each forward value.
+_DOT_FILL = {"saved": "#9ecae1", "recomputed": "#fdae6b", "fwd": "#ffffff", "bwd": "#d9d9d9"}
+
+
+def dot(graphs, *, with_plan: bool = False) -> str:
+    """The joint graphs as Graphviz DOT, one cluster per graph: a box per value (name, op,
+    bytes) and an edge per read. ``with_plan`` fills each graph's saved values blue and
+    its recomputed ones orange (backward values grey, the rest white)."""
+    lines = ["digraph remat {", "  rankdir=TB;", '  node [shape=box, style=filled, fontsize=9];']
+    for k, g in enumerate(graphs):
+        problem, plan = g.extracted.problem, g.plan
+        lines += [f"  subgraph cluster_{k} {{", f'    label="{_dot_text(g.name)}";']
+        for i, node in enumerate(problem.nodes):
+            role = node.phase
+            if with_plan and i in plan.saved:
+                role = "saved"
+            elif with_plan and i in plan.recomputed:
+                role = "recomputed"
+            op = node.op.removesuffix(".default")
+            label = _dot_text(f"{node.name}\\n{op}\\n{format_bytes(node.bytes)}")
+            lines.append(f'    g{k}n{i} [label="{label}", fillcolor="{_DOT_FILL[role]}"];')
+        for i, node in enumerate(problem.nodes):
+            lines += [f"    g{k}n{j} -> g{k}n{i};" for j in node.inputs]
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_text(text: str) -> str:
+    return text.replace('"', '\\"')

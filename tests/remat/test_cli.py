@@ -86,6 +86,23 @@ def test_inspect_bad_graph_index(capsys):
     assert_usage_error(code, err, "--graph 3", "1 graph")
 
 
+def test_plan_writes_the_graph_and_plan_as_dot(capsys, tmp_path):
+    path = tmp_path / "out" / "plan.dot"
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "60%", "--dot", str(path))
+    assert code == 0, err
+    text = path.read_text()
+    assert text.startswith("digraph remat {") and text.rstrip().endswith("}")
+    boxes = re.findall(r'g0n(\d+) \[label="([^"]*)", fillcolor="([^"]*)"\]', text)
+    edges = re.findall(r"g0n(\d+) -> g0n(\d+);", text)
+    fills = {fill for _, _, fill in boxes}
+    # a plan at 60% of an MLP's store-all peak saves some values and recomputes others
+    assert {"#9ecae1", "#fdae6b", "#d9d9d9"} <= fills
+    ids = {int(i) for i, _, _ in boxes}
+    assert ids == set(range(len(ids))) and edges
+    assert all(int(a) < int(b) and int(a) in ids for a, b in edges)  # reads run earlier
+    assert "addmm" in text and "wrote" in err
+
+
 # ----------------------------------------------------------------------------- plan
 
 
