@@ -6,6 +6,7 @@ import time
 from dataclasses import replace
 
 from .errors import InfeasibleBudget, SolverOverBudget
+from .graph import reachable
 from .plan import Plan, evaluate, format_bytes
 from .problem import Problem, without_free_views
 
@@ -369,15 +370,12 @@ def _seconds(problem: Problem, chain) -> float:
 
 def _new_recomputes(problem: Problem, plan: Plan, victims: list[int]) -> set[int]:
     """The nodes that start being recomputed if ``victims`` are no longer saved."""
-    nodes, saved, recomputed = problem.nodes, plan.saved, plan.recomputed
-    seen, stack = set(), list(victims)
-    while stack:
-        i = stack.pop()
-        if i in seen or i in recomputed or (i in saved and i not in victims):
-            continue
-        seen.add(i)
-        stack.extend(nodes[i].inputs)
-    return seen
+    saved, recomputed = plan.saved, plan.recomputed
+
+    def stays(i: int) -> bool:  # recomputed already, or saved and not a victim
+        return i in recomputed or (i in saved and i not in victims)
+
+    return reachable(victims, problem.producers, stays)
 
 
 def _within(plan: Plan, problem: Problem) -> Plan:

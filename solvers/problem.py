@@ -23,6 +23,8 @@ from typing import Literal
 
 import numpy as np
 
+from .graph import reachable
+
 Phase = Literal["fwd", "bwd"]
 
 
@@ -91,6 +93,12 @@ class Problem:
         return tuple(tuple(u) for u in users)
 
     @cached_property
+    def producers(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the nodes it reads (its ``inputs``): what walks toward the
+        values a node is computed from follow (``graph.reachable``)."""
+        return tuple(node.inputs for node in self.nodes)
+
+    @cached_property
     def outputs_of(self) -> tuple[tuple[int, ...], ...]:
         """For each multi-output op, its output nodes (empty for other nodes)."""
         parts: list[list[int]] = [[] for _ in self.nodes]
@@ -148,17 +156,10 @@ class Problem:
     def backward_core(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Backward nodes the gradients need (problem order), and the forward values they
         (or the gradients themselves) read: the same for every plan."""
-        nodes = self.nodes
-        needed: set[int] = set()
-        reads: set[int] = set()
-        stack = list(self.grads)
-        while stack:
-            i = stack.pop()
-            if nodes[i].phase == "fwd":
-                reads.add(i)
-            elif i not in needed:
-                needed.add(i)
-                stack.extend(nodes[i].inputs)
+        nodes, producers = self.nodes, self.producers
+        needed = reachable(self.grads, producers, lambda i: nodes[i].phase == "fwd")
+        walked = (*self.grads, *(j for i in needed for j in producers[i]))
+        reads = {j for j in walked if nodes[j].phase == "fwd"}
         return tuple(sorted(needed)), tuple(sorted(reads))
 
     @cached_property
@@ -175,14 +176,7 @@ class Problem:
     @cached_property
     def forward_base(self) -> frozenset[int]:
         """What the forward runs with nothing saved: the outputs and their inputs."""
-        seen: set[int] = set()
-        stack = list(self.outputs)
-        while stack:
-            i = stack.pop()
-            if i not in seen:
-                seen.add(i)
-                stack.extend(self.nodes[i].inputs)
-        return frozenset(seen)
+        return frozenset(reachable(self.outputs, self.producers))
 
     @cached_property
     def forward_nodes(self) -> tuple[int, ...]:

@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
+from .graph import reachable
 from .plan import Plan, evaluate
 from .problem import Problem, free_views, without_free_views
 from .schedule import _backward_core, _forward_program
@@ -123,13 +124,7 @@ class Relaxation:
 
     def _relevant(self, reads: list[int]) -> frozenset[int]:
         """Forward values some backward read depends on: the only ones a plan decides."""
-        nodes, seen, stack = self.problem.nodes, set(), list(reads)
-        while stack:
-            i = stack.pop()
-            if i not in seen:
-                seen.add(i)
-                stack.extend(nodes[i].inputs)
-        return frozenset(seen)
+        return frozenset(reachable(reads, self.problem.producers))
 
     def _timings(self, core: list[int]) -> None:
         """Core positions where each value is first read, and where each forward
@@ -769,16 +764,15 @@ class Relaxation:
         """For each node ``plan``'s forward runs beyond the forward without saved values:
         the saved literal of the lowest saved value whose computation runs it. One walk
         in all: a node already claimed had its inputs claimed by a lower value."""
-        nodes, forcing = self.problem.nodes, {}
+        forcing: dict = {}
+
+        def claimed(i: int) -> bool:
+            return i in forcing or i in self.in_base
+
         for v in sorted(plan.saved):
-            if v not in self.s:
-                continue
-            stack = [v]
-            while stack:
-                i = stack.pop()
-                if i not in forcing and i not in self.in_base:
+            if v in self.s:
+                for i in reachable((v,), self.problem.producers, claimed):
                     forcing[i] = self.s[v]
-                    stack.extend(nodes[i].inputs)
         return forcing
 
     def _kept_literal(self, plan: Plan, R: int):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .graph import reachable
 from .problem import Problem
 
 
@@ -151,16 +152,8 @@ def recompute_gaps(problem: Problem, recomputed: frozenset[int]) -> dict[int, in
 
 def _forward_extra(problem: Problem, saved: frozenset[int]) -> set[int]:
     """What the forward runs beyond ``forward_base`` to compute the saved values."""
-    nodes, base = problem.nodes, problem.forward_base
-    extra: set[int] = set()
-    stack = [i for i in saved if i not in base]
-    while stack:
-        i = stack.pop()
-        if i in extra or i in base:
-            continue
-        extra.add(i)
-        stack.extend(nodes[i].inputs)
-    return extra
+    base = problem.forward_base
+    return reachable(saved, problem.producers, base.__contains__)
 
 
 def _forward_program(problem: Problem, saved: frozenset[int]) -> tuple[int, ...]:
