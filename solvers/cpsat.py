@@ -1,12 +1,10 @@
 """The optimising solver: CP-SAT on ``Relaxation``, every answer checked by the simulator.
 
 First the relaxation's LP, solved by an LP solver (``linear_bound.solve_lp``, not
-charged to the limit: 0.3 s at 2,000 nodes, 2.4 s at 10,000): a proven bound before
-CP-SAT's presolve, and where it proves the greedy's plan within ``gap_limit`` the search
-is skipped (10,000 nodes at 50% and 30%: 8-10 s instead of 30-60); its answer, rounded
-and repaired, is a candidate plan, and where the rounded answer overflows in the
-backward, those steps are made exact before the first round. Then two phases share the
-time limit:
+charged to the limit): a proven bound before CP-SAT's presolve, and where it proves the
+greedy's plan within ``gap_limit`` the search is skipped; its answer, rounded and
+repaired, is a candidate plan, and where the rounded answer overflows in the backward,
+those steps are made exact before the first round. Then two phases share the time limit:
 
 1. the relaxation (prefix-sum memory chains, no exact backward), on one worker with
    CP-SAT's strongest LP, up to the whole limit once the greedy's plan fits (else up to
@@ -19,10 +17,9 @@ time limit:
 2. the full model (the backward exact at every step, the forward relaxed), hinted
    with the best plan so far. An answer that overflows (in the forward) is cut off
    (``explain``, or that exact saved set) and the model solved again. Its deterministic
-   time undercounts its work (10-60 wall s per deterministic s on 500-2,000 nodes,
-   against 4-7 for the relaxation) and beyond a few hundred nodes it rarely improved a
-   plan, so it gets the rest of the limit divided by ``EXACT_WEIGHT`` (not run below
-   ``MIN_EXACT``), in full only when the greedy found no plan.
+   time undercounts its work, so it gets the rest of the limit divided by
+   ``EXACT_WEIGHT`` (not run below ``MIN_EXACT``), in full only when the greedy found
+   no plan.
 
 Both phases stop once the incumbent is proven within ``gap_limit`` (1%) of the optimum:
 the relaxation from inside CP-SAT (a bound callback), not only between rounds.
@@ -35,11 +32,10 @@ of either phase, so ``gap`` is honest.
 
 Deterministic: one seed, a limit in CP-SAT's *deterministic* time (a work count,
 the same on every machine) and, with several workers, interleaved search; so every
-rank of a distributed job gets the same plan. The default limit (2 up to 4,000 nodes,
-``default_time_limit``) took 1-12 wall seconds on graphs of 500-2,000 nodes on our 2-core
-machines. Each solve also has a wall-clock guard of ``WALL_FACTOR`` times its limit
-against pathological models (the LP solve one of ``WALL_FACTOR`` times the whole limit);
-only if one fires can two runs differ.
+rank of a distributed job gets the same plan. Each solve also has a wall-clock guard
+of ``WALL_FACTOR`` times its limit against pathological models (the LP solve one of
+``WALL_FACTOR`` times the whole limit); only if one fires can two runs differ.
+The measurements behind each choice: docs/solver-notes.md, "Adopted".
 """
 
 from __future__ import annotations
@@ -62,33 +58,29 @@ logger = logging.getLogger(__name__)
 WALL_FACTOR = 20.0  # wall-clock guard per solve, as a multiple of its deterministic limit
 BOUND_SHARE = 0.75  # of the time limit, at most, for the relaxation while no plan fits
 GAP_LIMIT = 0.01  # stop once the plan is proven within this fraction of the optimum
-# overflowing backward steps made exact per relaxation round: few keep each round cheap
-# (2 closed more gaps than 1, 3, 4 or 8 on three graph families, docs/solver-notes.md)
+# Overflowing backward steps made exact per relaxation round: few keep each round cheap
+# (see docs/solver-notes.md, "Adopted": two points per round).
 POINTS_PER_ROUND = 2
-# The first relaxation round stops at this share of the limit (graphs of up to
-# FIRST_ROUND_CAP_NODES nodes), so that an answer overflowing the budget gets its exact
-# points while time is left: on the 12-layer gpt at GPT-2-small sizes (d=768, seq 1024,
-# vocab 50257) the uncapped first round took the whole limit, its answer overflowing by
-# 16%: gaps 31%/55% at 50%/30%, against 0.2%/proven optimal capped (docs/solver-notes.md).
-# Not where the LP's rounded answer gave the first round its points already (capped
-# there, the 12-layer gpt's rounds lost: 30% 0.6% -> 2.3%). On 10,000 nodes a third of
-# the limit ends before the first bound: there it is uncapped.
+# The first relaxation round stops at this share of the limit (on graphs up to
+# FIRST_ROUND_CAP_NODES), so that an overflowing answer gets its exact points while time
+# is left (see docs/solver-notes.md, "Adopted": first relaxation round capped).
 FIRST_ROUND_SHARE = 1 / 3
 FIRST_ROUND_CAP_NODES = 5_000
-EXACT_WEIGHT = 8.0  # of the limit, per deterministic second of the exact model (see below)
-# Below this many deterministic seconds the exact model is not run (once a plan fits): at
-# 0.06 it found nothing on 1,000-2,000 nodes and its presolve still took 1.5-2.3 wall s.
+# The exact model's deterministic time undercounts its work: it is charged this many
+# times over (see docs/solver-notes.md, "Adopted": exact model charged 8-fold).
+EXACT_WEIGHT = 8.0
+# Below this many deterministic seconds the exact model finds nothing, yet its presolve
+# costs seconds: not run (see docs/solver-notes.md, "Adopted": no exact model below 0.1).
 MIN_EXACT = 0.1
-# Solves spent, when a budget is refused, looking for a budget below the greedy's minimum
-# that fits (what the refusal names). Each is a solve without a plan to start from (the
-# slow case: 2-17 s on the 4-layer gpt), so one: the refusal costs about twice a solve.
+# Solves spent, when a budget is refused, bisecting toward the lowest budget that fits
+# (what the refusal names); each starts from no plan, the slow case, so one
+# (see docs/solver-notes.md, "Adopted": one bisection probe).
 PROBES = 1
 
 
 # The default limit: DEFAULT_LIMIT deterministic seconds, or one per NODES_PER_LIMIT_SECOND
-# nodes where that is more (beyond 4,000 nodes). At 10,000 nodes a limit of 2 ended inside the
-# relaxation's presolve (about 2.5 deterministic s there) with no bound at all (gap 100%
-# after 30 wall s); 5 proved 0.3-0.4% (docs/solver-notes.md).
+# nodes where that is more (beyond 4,000 nodes), so that a large graph's relaxation gets
+# past its presolve to a bound (see docs/solver-notes.md, "Adopted": default limit).
 DEFAULT_LIMIT = 2.0
 NODES_PER_LIMIT_SECOND = 2_000
 
@@ -146,10 +138,9 @@ def cpsat(
     #    With a plan in hand it may take the whole limit: the exact model then runs only
     #    on what it leaves (below MIN_EXACT it would find nothing anyway).
     #    Its LP first, from an LP solver: a bound in seconds where CP-SAT's own first one
-    #    comes after its presolve (tens of seconds on 10,000 nodes); if that proves the
+    #    comes after its presolve (most of the time on large graphs); if that proves the
     #    greedy's plan within ``gap_limit``, there is nothing left to search for.
-    #    Its answer rounded, repaired and polished is a candidate (on 10,000 nodes at 70%
-    #    one within 0.6% of the bound, where the greedy's is 1.2% over it).
+    #    Its answer rounded, repaired and polished is a candidate.
     #    Where that answer overflows in the backward, its steps are made exact before the
     #    first round (as a round's answer's are), which then needs no cap.
     relax = Relaxation(problem, budget, exact=False)
@@ -166,8 +157,8 @@ def cpsat(
     used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share, capped)
     # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
     #    its work is charged EXACT_WEIGHT-fold unless the greedy found no plan: then it
-    #    gets the rest in full even if a repaired relaxation answer fits (on a BERT
-    #    below the greedy's minimum such a repair cost 18% more than the model's plan).
+    #    gets the rest in full even if a repaired relaxation answer fits (such a repair
+    #    can cost more than the model's plan: docs/solver-notes.md, "Adopted").
     weight = EXACT_WEIGHT if first is not None else 1.0
     exact_seconds = (time_limit - used) / weight
     if exact_seconds >= MIN_EXACT or search.best is None:
@@ -177,9 +168,8 @@ def cpsat(
         if not search.polished:
             best = fill(problem, best, budget)
         # a last pass by seconds per byte saves back the tiny tensors the costliest-first
-        # order gives up before (hf-gpt2 6 layers at 30%: 0.001817 -> 0.00177, gap 8.9 ->
-        # 6.5%). Only here: the greedy's plan filled so too made a different hint, and
-        # the 12-layer gpt at 50% went from 1.0% to 4.2%
+        # order gives up before; only here, where it cannot change the search's hint
+        # (see docs/solver-notes.md, "Adopted": a last fill by recompute seconds per byte)
         best = fill(problem, best, budget, order="per_byte")
     if best is None:
         r = refusal
@@ -264,9 +254,9 @@ class _Search:
     def _stop_when_close_enough(self, solver: cp_model.CpSolver, scale: float) -> None:
         """Stop the relaxation once its bound proves the incumbent within ``gap_limit``:
         its own search would go on to its optimum, which the incumbent no longer needs
-        (on 10,000 nodes at 30% that took another 13 wall s past a 0.35% gap). With
-        one worker the callback runs in the search's thread, so where it stops is
-        deterministic; not so with interleaved workers, hence the relaxation only."""
+        (see docs/solver-notes.md, "Adopted": stop inside CP-SAT). With one worker the
+        callback runs in the search's thread, so where it stops is deterministic; not so
+        with interleaved workers, hence the relaxation only."""
         if self.best is None or self.gap_limit <= 0:
             return
         enough = (1 - self.gap_limit) * self.best.recompute_cost * scale
@@ -311,7 +301,8 @@ class _Search:
 
     def exact_rounds(self, seconds: float) -> None:
         """Solve, simulate, cut what overflowed (only the forward is relaxed), repeat.
-        The model is built only if a round runs (building it alone: 2.7 s at 10k nodes)."""
+        The model is built only if a round runs: building it alone takes seconds on large
+        graphs."""
         relax = None
         while seconds > 0.01 and not self.proven and not self.close_enough:
             if relax is None:
@@ -381,8 +372,8 @@ def _overflowing_steps(relax: Relaxation, plan: Plan) -> list[tuple]:
     """The backward steps of ``plan`` over the budget, as ``add_point`` names them:
     core steps ``(k,)`` first, then ``(k, x)`` for the recompute x in the gap before
     core step k; each kind worst first. A recompute's point holds only where x runs
-    there, so its LP is weaker: pointed before core steps, they took the 6-layer
-    hf-gpt2 at 50% from a 5.0% gap to 15.7%."""
+    there, so its LP is weaker: core steps go first (see docs/solver-notes.md,
+    "Adopted": points at recompute steps)."""
     over, k = [], 0
     for phase, node, live in plan.timeline.steps:
         if phase != "bwd":
@@ -431,12 +422,10 @@ def _solver(
 def _relaxation_solver(seconds: float, seed: int, log: bool) -> cp_model.CpSolver:
     """One worker with CP-SAT's strongest LP (``linearization_level=2``, its ``max_lp``
     subsolver): on the relaxation it is the worker that proves the optimum, and alone it
-    keeps to the limit. Four interleaved workers proved the same optimum but ran their
-    whole batch first: 4-8 deterministic seconds for a limit of 1 (9-20 wall s at 2,000
-    nodes, against 1-5 s alone; docs/solver-notes.md)."""
+    keeps to the limit, where interleaved workers run their whole batch first
+    (see docs/solver-notes.md, "Adopted": relaxation on one max-LP worker)."""
     solver = _solver(seconds, 1, seed, log)
     solver.parameters.linearization_level = 2
-    # layers repeat: with symmetry in the LP the 6-layer gpt's relaxation at 80% was
-    # proven optimal in 1.4 deterministic s, without it not in 3
+    # layers repeat (see docs/solver-notes.md, "Adopted": use_symmetry_in_lp)
     solver.parameters.use_symmetry_in_lp = True
     return solver

@@ -209,7 +209,7 @@ class Exact:
             # R is read by recomputes only: kept, a recompute needs it, so it is dead at
             # k only if one of its readers ran by then. In the LP ``kept + later - 1``
             # is 0 for an R half kept and half read later; this keeps it half live
-            # (docs/solver-notes.md)
+            # (see docs/solver-notes.md, "Adopted": LP-binding points)
             ran = [
                 self._relative(u, k, rank, by=True) for u in sorted(readers) if u in self._movable
             ]
@@ -252,7 +252,8 @@ class Exact:
     def _early_by(self, v: int, k: int):
         """``gap[v] <= k`` as a literal, by the recursion that defines the gap (see
         ``_placement``): read by core step k, or needed by a recomputed consumer placed
-        by then. Booleans only: the gap integers slowed the relaxation 4x."""
+        by then. Booleans only, not the gap integers (see docs/solver-notes.md,
+        "Adopted": points as booleans)."""
         op = self.problem.nodes[v].output_of
         return self._needed_by(op if op in self._movable else v, k)
 
@@ -295,9 +296,8 @@ class Exact:
             self._derive(pull, lambda x, r=r, e=sooner_lit: x[r] and x[e])
             pulls.append(pull)
         lit = m.NewBoolVar(f"early{v}_{k}")
-        if pulls:  # lit == max(pulls), as clauses: the LPs see ``lit <= sum(pulls)`` then,
-            # which lin_max hid from both (linear_bound leaves it out; with it the
-            # 12-layer gpt's exact points raised no LP bound, docs/solver-notes.md)
+        if pulls:  # lit == max(pulls), as clauses, so that both LPs see ``lit <= sum(pulls)``
+            # (see docs/solver-notes.md, "Adopted": LP-binding points)
             for pull in pulls:
                 m.AddImplication(pull, lit)
             m.AddBoolOr([lit.Not(), *pulls])

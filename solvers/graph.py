@@ -1,8 +1,8 @@
 """The one graph walk the solvers share: everything reachable from some nodes.
 
 A plain function over index lists rather than networkx: the greedy runs this walk
-hundreds of thousands of times on a few nodes each, where a per-call graph view
-costs more than the walk (docs/solver-notes.md, "Adopted").
+hundreds of thousands of times over a few nodes each, where networkx's per-call cost is
+several times the walk's (see docs/solver-notes.md, "Adopted": one graph walk).
 """
 
 from __future__ import annotations

@@ -10,18 +10,19 @@ from .graph import reachable
 from .plan import Plan, evaluate, format_bytes
 from .problem import Problem, without_free_views
 
-FILL_TRIALS = 256  # simulations ``fill`` may spend: ~0.5 s at 2,000 nodes, ~6 s at 10,000
-FILL_MISSES = 64  # failed ``fill`` trials in a row before it gives up
+# ``fill``'s simulations, and its failed trials in a row before it gives up: bounded, so
+# deterministic and seconds at most (see docs/solver-notes.md, "Adopted": fill's caps)
+FILL_TRIALS = 256
+FILL_MISSES = 64
 DESCEND_FLIPS = 32  # flips ``descend`` simulates per round
-# plateau moves ``descend`` makes in a row (each trying only the DESCEND_FLIPS largest
-# flips) before it gives up: the runs that reached a lower peak on the 4- and 12-layer gpt
-# took 1-2. On 10,000 nodes, uncapped and scanning every flip, its descent took 293 s
-# instead of 22 and reached no lower peak; capped so, 27 s.
+# Plateau moves ``descend`` makes in a row before it gives up: the runs that help need
+# few, uncapped ones cost minutes on large graphs (see docs/solver-notes.md, "Adopted":
+# descend crosses plateaus).
 DESCEND_PLATEAU = 2
 DROP_STEPS = 256  # ``_drop_saves`` frees at most 1/DROP_STEPS of the store-all peak per step
-# The grown trajectory (``_grown``) runs on graphs up to this many nodes: on 2,000 it
-# takes 0.8 s beside the plain one's 0.4 s; on 10,000 34 s against 3.5 s, where the
-# LP bound already proves the plan within 1% (docs/solver-notes.md).
+# The grown trajectory (``_grown``) runs on graphs up to this many nodes: beyond, it
+# costs ten times the plain one, and the LP bound proves the plan anyway
+# (see docs/solver-notes.md, "Adopted": the greedy's grown trajectory).
 GROWN_MAX_NODES = 5_000
 
 
@@ -79,8 +80,7 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
     feasible = [p for p in candidates if p.peak <= target]
     if not feasible:
         # descents from the lowest plan of each kind: where one ends is not where the
-        # other does (the 12-layer gpt at GPT-2 small's sizes: 24.3% of store-all from
-        # the plain trajectory's, 24.5% from the grown one's)
+        # other does (see docs/solver-notes.md, "Adopted": the greedy's grown trajectory)
         for family in (plain + sweep, grown):
             if family:
                 lowest = min(family, key=lambda p: (p.peak, p.recompute_cost))
@@ -176,9 +176,8 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
     peak (two steps share it: lowering either alone leaves it where it is), it takes
     the flip that keeps the peak and lowers the bytes live summed over all steps most,
     and goes on from there, for up to ``DESCEND_PLATEAU`` moves (trying the
-    ``DESCEND_FLIPS`` largest flips each) until one lowers the peak
-    (the 4-layer gpt's lowest peak 36.6% -> 30.6% of store-all, the 12-layer's 20.8% ->
-    18.6%); a run that does not ends at the plan it started from. The path does not
+    ``DESCEND_FLIPS`` largest flips each) until one lowers the peak; a run that does not
+    ends at the plan it started from. The path does not
     depend on ``target``, which only says where to stop, so every budget between the
     start's peak and the end's is met.
     """
@@ -245,8 +244,7 @@ def fill(
     (default ``FILL_TRIALS``), so it is deterministic and bounded. It gives up after
     ``FILL_MISSES`` failed trials in a row: a plan already at the budget (the greedy's)
     would otherwise spend every trial on saves that cannot fit. "per_byte" reaches what
-    "cost" gives up before: the many tiny masks and index tensors of a real graph (the
-    6-layer hf-gpt2 at 30%, after "cost": 0.001976 -> 0.00177, its optimum 0.001761).
+    "cost" gives up before: the many tiny masks and index tensors of a real graph.
     """
     orders = {"cost": _costliest, "per_byte": _per_byte}
     if order not in orders:
@@ -332,9 +330,8 @@ def _grown(problem: Problem, ranked: list[tuple]) -> list[tuple]:
     cheaper, added one at a time while each raises the bytes freed per recompute second.
 
     Attention's q, k and v, saved apart, each need the costly qkv projection re-run:
-    dropping one frees a third of what that costs, dropping the three all of it (the
-    12-layer gpt at GPT-2 small's sizes at 30%: the one-at-a-time greedy dropped the
-    dropout masks instead, 23% over the optimum; grown, 1.2% over).
+    dropping one frees a third of what that costs, dropping the three all of it
+    (see docs/solver-notes.md, "Adopted": the greedy's grown trajectory).
     """
     nodes = problem.nodes
     single = {root: (saved, chain) for _, root, saved, chain, _ in ranked}

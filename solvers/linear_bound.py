@@ -1,10 +1,10 @@
 """A lower bound from a CP-SAT model's linear relaxation, solved by an LP solver.
 
 CP-SAT proves its first bound only after its presolve and its search around the hint:
-on 10,000 nodes that is 40-55 wall s, most of ``cpsat``'s time, for a bound that an LP
-solver (HiGHS, bundled with OR-Tools) finds on the same model in 2 s
-(docs/solver-notes.md). Where the greedy's plan is already that close to the bound,
-the search has nothing left to prove.
+on large graphs most of ``cpsat``'s time, for a bound that an LP solver (HiGHS, bundled
+with OR-Tools) finds on the same model in seconds (see docs/solver-notes.md, "Adopted":
+the relaxation's LP from HiGHS first). Where the greedy's plan is already that close to
+the bound, the search has nothing left to prove.
 
 The LP is the model with integrality dropped: each linear constraint as it is, each
 enforced one relaxed by big-M (from the bounds of its variables), Boolean clauses as
@@ -23,8 +23,8 @@ from ortools.sat import cp_model_pb2
 
 logger = logging.getLogger(__name__)
 
-# The first of these OR-Tools was built with solves the LP (GLOP, its own simplex, gave
-# up on the 10,000-node model's byte-sized coefficients; HiGHS took 1.6 s, CLP 2.8).
+# The first of these OR-Tools was built with solves the LP: fastest first, GLOP last (it
+# gives up on byte-sized coefficients; see docs/solver-notes.md, "Adopted").
 LP_SOLVERS = ("HIGHS_LP", "CLP", "GLOP")
 INT_MAX = 2**63 - 1  # CP-SAT's infinite domain ends
 INF = float("inf")
@@ -80,8 +80,8 @@ def _lp_solver() -> tuple[str, pywraplp.Solver | None]:
 
 
 def _message(model) -> cp_model_pb2.CpModelProto:
-    """The model as a protobuf message: through a file, since reading OR-Tools' own
-    wrapper of it field by field from Python took 3 s on 10,000 nodes (this: 0.05 s)."""
+    """The model as a protobuf message: through a file, far faster than reading OR-Tools'
+    own wrapper of it field by field from Python (see docs/solver-notes.md, "Adopted")."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.pb")
         if not model.ExportToFile(path):

@@ -73,8 +73,8 @@ def _run(
 ) -> _Run:
     """Run one program with the storages ``start`` live; storages in ``keep`` survive it.
 
-    Vectorised (3-5x faster than a loop per step at 2,000-10,000 nodes, which is most
-    of what the heuristics spend): a storage is live from the step that allocates it
+    Vectorised, as the heuristics spend most of their time here (see docs/solver-notes.md,
+    "Adopted": vectorised simulator): a storage is live from the step that allocates it
     (or the start) through its last use, so the bytes live at each step are a running
     sum of allocations minus the frees after each last use. Each storage is allocated
     by one node, which runs at most once per program: a storage allocated while live
