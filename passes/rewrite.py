@@ -67,13 +67,14 @@ _INPUTS = ("placeholder", "get_attr")
 
 def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
     """Move ``gm``'s computing nodes into ``order``, after its inputs and constants; fail
-    loudly if the sets differ."""
+    loudly if the sets differ. A name ``order`` repeats runs again as a copy of the node,
+    and every node placed reads the latest copy of each input (multiple recomputation)."""
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes if n.op not in (*_INPUTS, "output")}
     inputs = [n for op in _INPUTS for n in graph.nodes if n.op == op]
     names = {n.name for n in inputs}
     wanted = [name for name in order if name not in names]
-    missing = [name for name in wanted if name not in by_name]
+    missing = [name for name in dict.fromkeys(wanted) if name not in by_name]
     extra = sorted(set(by_name) - set(wanted))
     if missing or extra:
         raise ScheduleMismatch(
@@ -85,12 +86,23 @@ def _reorder(gm: fx.GraphModule, order: list[str], program: str) -> None:
         if cursor is not None:
             cursor.append(node)
         cursor = node
+    latest: dict[fx.Node, fx.Node] = {}  # node -> its latest run (itself or a copy)
     for name in wanted:
-        node = by_name[name]
+        original = by_name[name]
+        if original in latest:
+            node = graph.node_copy(original, lambda a: latest.get(a, a))
+        else:
+            node = original
+            if latest:
+                node.args = fx.map_arg(node.args, lambda a: latest.get(a, a))
+                node.kwargs = fx.map_arg(node.kwargs, lambda a: latest.get(a, a))
+        latest[original] = node
         if cursor is None:
             graph.output_node().prepend(node)  # no inputs: keep order before the output
         else:
             cursor.append(node)
         cursor = node
+    output = graph.output_node()
+    output.args = fx.map_arg(output.args, lambda a: latest.get(a, a))
     graph.lint()
     gm.recompile()

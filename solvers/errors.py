@@ -40,7 +40,10 @@ class InfeasibleBudget(RematError, ValueError):
         self.budget, self.minimum, self.store_all = budget, minimum, store_all
         self.proven = proven
         where = f" for {graph}" if graph.startswith("step") else f" for graph {graph}"
-        proof = " No plan fits this budget (proven by CP-SAT)." if proven else ""
+        proof = (
+            " No plan that recomputes each value at most once fits this budget (proven by "
+            "CP-SAT)." if proven else ""
+        )
         super().__init__(
             f"budget {format_bytes(budget)} is below the smallest peak remat can reach"
             f"{where if graph else ''}: {format_bytes(minimum)} ({minimum} bytes, "

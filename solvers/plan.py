@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .problem import Problem
@@ -13,6 +13,8 @@ from .simulate import Timeline, simulate
 @dataclass(frozen=True)
 class Plan:
     """Saved and recomputed forward values, with the schedule and timeline they imply.
+    A plan that recomputes some value more than once carries its backward's order in
+    ``schedule.backward`` (``multiple``); any other is determined by ``saved``.
 
     ``status`` is ``"optimal"`` when the solver proved no cheaper plan meets
     the budget, ``"feasible"`` when it stopped with a proven ``bound`` on the
@@ -30,6 +32,12 @@ class Plan:
     timeline: Timeline
     bound: float | None = None
     solve_seconds: float = 0.0
+
+    @property
+    def multiple(self) -> bool:
+        """Whether the backward recomputes some value more than once."""
+        order = self.schedule.backward
+        return len(set(order)) < len(order)
 
     @property
     def gap(self) -> float | None:
@@ -58,9 +66,11 @@ def evaluate(
     budget: int | None = None,
     bound: float | None = None,
     solve_seconds: float = 0.0,
+    backward: Sequence[int] | None = None,
 ) -> Plan:
-    """Schedule and simulate ``saved``: the only way a Plan is made."""
-    sched = schedule(problem, saved)
+    """Schedule and simulate ``saved`` (or the ``backward`` order a chain schedule
+    gives): the only way a Plan is made."""
+    sched = schedule(problem, saved, backward)
     timeline = simulate(problem, sched)
     return Plan(
         saved=sched.saved,

@@ -11,11 +11,16 @@ the simulator and the graph rewrite all see the same programs:
   is one whose storage stays allocated anyway (a caller-held output, the base
   of a saved view);
 - the forward runs what its outputs and the saved values need.
+
+A plan may instead give the backward's order itself (``backward``), where a forward
+value may be recomputed more than once, each copy read until the next one is made (the
+chain schedules of ``solvers.chain``). Then the backward core must appear once each, in
+problem order; what the backward reads before computing it is handed over.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .graph import reachable
@@ -26,9 +31,11 @@ from .problem import Problem
 class Schedule:
     """Exact op order of both programs.
 
-    ``backward`` holds backward nodes and the recomputed forward nodes.
-    ``recompute_cost`` counts only recomputed nodes the forward also runs:
-    a forward value first computed in the backward costs nothing extra.
+    ``backward`` holds backward nodes and the recomputed forward nodes (a forward
+    node more than once where a plan gives the order: each run is a copy).
+    ``recompute_cost`` counts the recomputes of nodes the forward also runs, and all
+    but the first of the others: a forward value first computed in the backward costs
+    nothing extra.
     """
 
     forward: tuple[int, ...]
@@ -42,8 +49,11 @@ class InvalidPlan(ValueError):
     """A saved set that cannot be realised (a solver bug, or bad user input)."""
 
 
-def schedule(problem: Problem, saved: Iterable[int]) -> Schedule:
-    """Build the forward and backward programs for ``saved``.
+def schedule(
+    problem: Problem, saved: Iterable[int], backward: Sequence[int] | None = None
+) -> Schedule:
+    """Build the forward and backward programs for ``saved``, or for the ``backward``
+    order a plan gives (then ``saved`` adds to what that order reads before making).
 
     Saved values the backward never reads are dropped; values that must be
     saved are added. The result's ``saved`` is the set actually handed over.
@@ -58,6 +68,8 @@ def schedule(problem: Problem, saved: Iterable[int]) -> Schedule:
                 f"saved value {i} ({nodes[i].name}) is a multi-output op; save its outputs"
             )
 
+    if backward is not None:
+        return _given_order(problem, requested, tuple(backward))
     core, reads = problem.backward_core
     recomputed, saved_eff = _split_reads(problem, reads, requested)
     # A value whose storage stays allocated anyway (held by the caller, or the
@@ -70,6 +82,41 @@ def schedule(problem: Problem, saved: Iterable[int]) -> Schedule:
     forward = tuple(sorted(base | extra))
     cost = sum(nodes[i].cost for i in recomputed if i in base or i in extra)
     return Schedule(forward, backward, saved_eff, recomputed, cost)
+
+
+def _given_order(problem: Problem, requested: frozenset[int], order: tuple[int, ...]) -> Schedule:
+    """The schedule of a backward order a plan gives: checked, its hand-over derived."""
+    nodes = problem.nodes
+    core = problem.backward_core[0]
+    if any(not 0 <= i < len(nodes) for i in order):
+        raise InvalidPlan("the backward order names a node the problem does not have")
+    if tuple(i for i in order if nodes[i].phase == "bwd") != core:
+        raise InvalidPlan("the backward order must run the backward core once each, in order")
+    made: set[int] = set()
+    handed: set[int] = set()
+    for i in order:
+        node = nodes[i]
+        if node.phase == "fwd" and not node.recomputable:
+            raise InvalidPlan(f"{node.name} may not be recomputed, and the order recomputes it")
+        handed |= {j for j in node.inputs if nodes[j].phase == "fwd" and j not in made}
+        made.add(i)
+    handed |= {g for g in problem.grads if nodes[g].phase == "fwd" and g not in made}
+    handed |= {j for j in requested if j not in made}
+    bad = [j for j in handed if problem.outputs_of[j]]
+    if bad:
+        raise InvalidPlan(
+            f"{nodes[bad[0]].name} is a multi-output op the backward reads before making it"
+        )
+    saved = frozenset(handed)
+    base, extra = problem.forward_base, _forward_extra(problem, saved)
+    recomputes = [i for i in order if nodes[i].phase == "fwd"]
+    cost, seen = 0.0, set()
+    for i in recomputes:
+        if i in base or i in extra or i in seen:
+            cost += nodes[i].cost
+        seen.add(i)
+    forward = tuple(sorted(base | extra))
+    return Schedule(forward, order, saved, frozenset(recomputes), cost)
 
 
 def _backward_core(problem: Problem) -> tuple[list[int], list[int]]:

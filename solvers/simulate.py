@@ -80,6 +80,8 @@ def _run(
     by one node, which runs at most once per program: a storage allocated while live
     is a saved output its op re-runs over, a second buffer counted at that step only.
     """
+    if len(set(order)) < len(order):
+        return _run_copies(problem, phase, order, start, keep)
     packed, size = problem.packed, len(problem.nodes)
     steps = np.array(order, dtype=np.int64)
     kept = np.zeros(size, dtype=bool)
@@ -113,6 +115,87 @@ def _run(
     alive = there[kept[there] | (last_use[there] >= pos)]
     trace = tuple(zip([phase] * len(order), order, during.tolist(), strict=True))
     return _Run(phase, int(during[pos]), order[pos], frozenset(alive.tolist()), trace)
+
+
+def _run_copies(
+    problem: Problem,
+    phase: str,
+    order: tuple[int, ...],
+    start: tuple[int, ...],
+    keep: set[int],
+) -> _Run:
+    """``_run`` for an order that runs some nodes more than once (multiple recomputation).
+
+    Each run of a node makes new copies of the storages it allocates. A node that ran
+    reads as the copy it made (a view: the copy its base read as when the view ran; an
+    output of a multi-output op: the copy its op's latest run wrote); a node that did
+    not run reads as the storage live at the start. A copy lives from its making
+    through its last read; a kept storage's copy from the start (else its last one)
+    lives to the end. With no repeats this accounts as ``_run`` does.
+    """
+    nodes, storage = problem.nodes, problem.storage
+    allocations = problem.allocations
+    sizes: list[int] = []
+    roots: list[int] = []
+    made: list[int] = []  # the step each copy is made at (-1: live at the start)
+    last: list[int] = []  # the step of its last read (-1: none)
+    at_start: dict[int, int] = {}  # storage -> its copy live at the start
+    written: dict[int, int] = {}  # storage -> the copy its latest allocation made
+    reads_as: dict[int, int] = {}  # node (that ran) -> its copy
+
+    def new_copy(root: int, nbytes: int, step: int) -> int:
+        sizes.append(nbytes)
+        roots.append(root)
+        made.append(step)
+        last.append(-1)
+        return len(sizes) - 1
+
+    def copy_of(j: int) -> int:
+        return reads_as[j] if j in reads_as else at_start.get(storage[j], -1)
+
+    for root in start:
+        at_start[root] = new_copy(root, int(nodes[root].bytes), -1)
+    workspace = np.zeros(len(order), dtype=np.int64)
+    for t, i in enumerate(order):
+        node = nodes[i]
+        touched = [copy_of(j) for j in node.inputs]
+        for root, nbytes in allocations[i]:
+            written[root] = new_copy(root, nbytes, t)
+            touched.append(written[root])
+        if node.alias_of is not None:
+            reads_as[i] = copy_of(node.alias_of)
+        elif node.output_of is not None:
+            reads_as[i] = written.get(i, at_start.get(i, -1))
+        else:
+            reads_as[i] = written.get(i, at_start.get(storage[i], -1))
+        touched.append(reads_as[i])
+        for c in touched:
+            if c >= 0:
+                last[c] = t
+        workspace[t] = node.workspace
+    final = {at_start[r] if r in at_start else written[r] for r in keep
+             if r in at_start or r in written}  # fmt: skip
+    delta = np.zeros(len(order) + 1, dtype=np.int64)
+    base = 0
+    counted = []
+    for c, nbytes in enumerate(sizes):
+        if made[c] < 0 and c not in final and last[c] < 0:
+            continue  # live at the start, never read, not kept: not this program's
+        counted.append(c)
+        if made[c] < 0:
+            base += nbytes
+        else:
+            delta[made[c]] += nbytes
+        if c not in final:
+            delta[max(last[c], made[c]) + 1] -= nbytes
+    during = base + np.cumsum(delta[:-1]) + workspace
+    pos = int(np.argmax(during))
+    alive = frozenset(
+        roots[c] for c in counted
+        if made[c] <= pos and (c in final or max(last[c], made[c]) >= pos)
+    )  # fmt: skip
+    trace = tuple(zip([phase] * len(order), order, during.tolist(), strict=True))
+    return _Run(phase, int(during[pos]), order[pos], alive, trace)
 
 
 def _gather(ptr: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

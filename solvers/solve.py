@@ -8,6 +8,7 @@ import gc
 from collections.abc import Callable, Iterator
 
 from .budget import Budget, BudgetLike
+from .chain import lowest_chain_peak, revolve, sqrt
 from .cpsat import cpsat
 from .errors import InfeasibleBudget, InvalidOption, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
@@ -19,8 +20,18 @@ Solver = Callable[[Problem, int], Plan]
 
 def auto(problem: Problem, budget: int | None = None) -> Plan:
     """CP-SAT, which starts from the greedy plan and returns it when it finds nothing
-    better in its time limit: never worse than the greedy, with a bound when it can."""
-    return cpsat(problem, budget)
+    better in its time limit: never worse than the greedy, with a bound when it can.
+    Below the floor of plans that recompute each value once, the binomial schedule over
+    the graph's chain of stages (``revolve``), which recomputes some more than once."""
+    try:
+        return cpsat(problem, budget)
+    except InfeasibleBudget as refusal:
+        low = lowest_chain_peak(problem)
+        if low is None or low.peak >= refusal.minimum:
+            raise
+        if low.peak > budget:
+            raise InfeasibleBudget(budget, low.peak, refusal.store_all, problem.name) from None
+        return revolve(problem, budget)
 
 
 CPSAT_SOLVERS = ("auto", "cpsat")  # the names that run CP-SAT, so take its time limit
@@ -31,6 +42,8 @@ SOLVERS: dict[str, Solver] = {  # the one registry of names; the first is the de
     "greedy": greedy,
     "store-all": store_all,
     "recompute-all": recompute_all,
+    "sqrt": sqrt,
+    "revolve": revolve,
 }
 
 
@@ -101,6 +114,8 @@ def _no_cycle_collection() -> Iterator[None]:
 
 
 def min_peak_plan(problem: Problem) -> Plan:
-    """The lowest-peak plan remat can find: what a budget below it is told."""
-    return greedy(problem)
+    """The lowest-peak plan remat can find: what a budget below it is told. The greedy's
+    lowest, or a chain schedule's where the graph is a chain and that is lower."""
+    plans = [greedy(problem), lowest_chain_peak(problem)]
+    return min((p for p in plans if p is not None), key=lambda p: p.peak)
 
