@@ -43,7 +43,7 @@ from remat.solvers import (
 )
 from remat.solvers.budget import Budget, BudgetLike
 from remat.solvers.cpsat import cpsat
-from remat.solvers.solve import CPSAT_SOLVERS, Solver, solver_for
+from remat.solvers.solve import CPSAT_SOLVERS, Solver, auto, solver_for
 
 log = logging.getLogger("remat")
 
@@ -161,7 +161,7 @@ class Planner:
             return solve(problem, limit, self.solver)
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
-            solver = functools.partial(cpsat, probes=0)
+            solver = functools.partial(auto if solver == "auto" else cpsat, probes=0)
         try:
             return solve(problem, limit, solver)
         except InfeasibleBudget:

@@ -57,7 +57,17 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.budget import Budget
-from remat.solvers.step import Composed, Link, Outside, Step, compose, joint_saved, split
+from remat.solvers.step import (
+    Composed,
+    Link,
+    Outside,
+    Step,
+    compose,
+    joint_order,
+    joint_saved,
+    split,
+    split_orders,
+)
 
 log = logging.getLogger("remat")
 
@@ -92,9 +102,9 @@ class Graph:
         return self.record.extracted.problem
 
     def program_for(self, plan: Plan) -> int:
-        """The index of the program running ``plan``'s saved set, built if new."""
+        """The index of the program running ``plan``'s schedule, built if new."""
         for k, p in enumerate(self.programs):
-            if p.plan.saved == plan.saved:
+            if p.plan.saved == plan.saved and p.plan.schedule == plan.schedule:
                 return k
         fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
         self.programs.append(make_program(plan, fw, bw, self.record.extracted))
@@ -429,8 +439,10 @@ class StepRunner:
         shape = Step(problems, order, tuple(step.links), accumulate, outside)
         names = ", ".join(r.graph.name for r in runs)
         composed = compose(shape, name=f"step ({names})")
-        used = tuple(r.graph.programs[r.program].plan.saved for r in runs)
-        first = evaluate(composed.problem, joint_saved(composed, used), solver="compile-time")
+        used = tuple(r.graph.programs[r.program].plan for r in runs)
+        saved = joint_saved(composed, tuple(p.saved for p in used))
+        order = joint_order(composed, used) if any(p.multiple for p in used) else None
+        first = evaluate(composed.problem, saved, backward=order, solver="compile-time")
         log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
         limit = _limit(self.budget, composed)
         if len(runs) == 1 and first.peak <= limit:
@@ -443,9 +455,10 @@ class StepRunner:
             except InfeasibleBudget as refusal:
                 raise _in_step_terms(refusal, runs) from None
             saved = split(composed, plan)
+            orders = split_orders(composed, plan) if plan.multiple else (None,) * len(runs)
             programs = tuple(
-                r.graph.program_for(evaluate(r.graph.problem, s, solver=plan.solver))
-                for r, s in zip(runs, saved, strict=True)
+                r.graph.program_for(evaluate(r.graph.problem, s, backward=o, solver=plan.solver))
+                for r, s, o in zip(runs, saved, orders, strict=True)
             )
             log.info("remat: step (%s) planned as one: %s", names, plan)
         return StepPlan(

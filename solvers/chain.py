@@ -277,10 +277,12 @@ def _never_rebuilt(chain: Chain) -> frozenset[int]:
 
 
 def _tape_targets(chain: Chain, k: int) -> list[int]:
-    """The forward values stage ``k``'s backward reads that stage ``k`` computes."""
+    """The forward values stage ``k``'s backward reads that stage ``k`` computes, and its
+    boundary (a tape of the next stage may start from it; unread, it is dropped)."""
     nodes, stage_of = chain.problem.nodes, chain.stage_of
-    return [j for c in chain.groups[k - 1] for j in nodes[c].inputs
-            if nodes[j].phase == "fwd" and stage_of[j] == k]  # fmt: skip
+    reads = [j for c in chain.groups[k - 1] for j in nodes[c].inputs
+             if nodes[j].phase == "fwd" and stage_of[j] == k]  # fmt: skip
+    return [*reads, chain.cuts[k - 1]]
 
 
 def _stage_nodes(chain: Chain, first: int, last: int, targets, kept: frozenset[int]) -> list[int]:

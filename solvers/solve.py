@@ -18,13 +18,16 @@ from .problem import Problem
 Solver = Callable[[Problem, int], Plan]
 
 
-def auto(problem: Problem, budget: int | None = None) -> Plan:
+def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
     """CP-SAT, which starts from the greedy plan and returns it when it finds nothing
     better in its time limit: never worse than the greedy, with a bound when it can.
     Below the floor of plans that recompute each value once, the binomial schedule over
-    the graph's chain of stages (``revolve``), which recomputes some more than once."""
+    the graph's chain of stages (``revolve``), which recomputes some more than once.
+    ``cpsat_options`` go to CP-SAT (``time_limit``, ``probes``)."""
+    from . import cpsat as module  # the module's function, so tests can watch it
+
     try:
-        return cpsat(problem, budget)
+        return module.cpsat(problem, budget, **cpsat_options)
     except InfeasibleBudget as refusal:
         low = lowest_chain_peak(problem)
         if low is None or low.peak >= refusal.minimum:
@@ -67,7 +70,8 @@ def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
         return solver
     from . import cpsat as module  # the module's function, so tests can watch it
 
-    return functools.partial(module.cpsat, time_limit=time_limit)
+    run = auto if solver == "auto" else module.cpsat
+    return functools.partial(run, time_limit=time_limit)
 
 
 def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -> Plan:

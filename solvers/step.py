@@ -170,6 +170,41 @@ def split(composed: Composed, plan: Plan) -> tuple[frozenset[int], ...]:
     )
 
 
+def joint_order(composed: Composed, plans: tuple[Plan, ...]) -> tuple[int, ...]:
+    """The composed problem's backward order running each run's ``plans[r]`` backward:
+    each run's recomputes right before the same core node as in its own order (how a
+    plan that recomputes some value more than once is carried into the step)."""
+    core = composed.problem.backward_core[0]
+    in_core = set(core)
+    before: dict[int, list[int]] = {}
+    for where, plan in zip(composed.index, plans, strict=True):
+        pending: list[int] = []
+        for i in plan.schedule.backward:
+            j = where[i]
+            if j not in in_core:
+                pending.append(j)
+            else:
+                before.setdefault(j, []).extend(pending)
+                pending = []
+    order: list[int] = []
+    for c in core:
+        order += before.get(c, [])
+        order.append(c)
+    return tuple(order)
+
+
+def split_orders(composed: Composed, plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """Each run's backward order (its own node indices) under ``plan`` of the composed
+    problem: the inverse of ``joint_order``."""
+    owner = {j: (r, i) for r, where in enumerate(composed.index) for i, j in enumerate(where)}
+    orders: list[list[int]] = [[] for _ in composed.index]
+    for j in plan.schedule.backward:
+        if j in owner:
+            r, i = owner[j]
+            orders[r].append(i)
+    return tuple(tuple(o) for o in orders)
+
+
 def joint_saved(composed: Composed, saved: tuple[frozenset[int], ...]) -> frozenset[int]:
     """The composed problem's saved set for each run's ``saved`` (the inverse of ``split``)."""
     return frozenset(composed.index[r][i] for r, run in enumerate(saved) for i in run)

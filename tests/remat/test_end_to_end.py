@@ -453,3 +453,27 @@ def test_profile_cost_model_plans_with_measured_times():
     estimated = remat.plan(reference, inputs, budget=0.8).graphs[0].extracted.problem
     assert [n.name for n in estimated.nodes] == [n.name for n in problem.nodes]
     assert [n.cost for n in estimated.nodes] != [n.cost for n in problem.nodes]
+
+
+def test_multiple_recomputation_trains_as_eager_below_the_single_recomputation_floor():
+    """A budget between revolve's floor and the greedy's: the plan recomputes values more
+    than once, and still trains on eager's gradients at the predicted peak."""
+    from remat.solvers import greedy
+
+    model, inputs = examples.mlp(layers=8, width=64, batch=512)
+    reference = copy.deepcopy(model)
+    problem = remat.plan(model, inputs, budget=1.0).graphs[0].extracted.problem
+    single, floor = greedy(problem).peak, min_peak_plan(problem).peak
+    assert floor < single
+    torch.compiler.reset()
+    optimized = remat.optimize(model, budget=(single + floor) // 2)
+    losses, grads = train(model, optimized, inputs)
+    ref_losses, ref_grads = train(reference, reference, inputs)
+    assert torch.equal(losses, ref_losses)
+    assert grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    plan = optimized.remat.report().steps[-1].plan
+    assert plan.multiple and plan.peak <= (single + floor) // 2
+    model.zero_grad(set_to_none=True)
+    measured = memory.peak(lambda: optimized(*inputs).backward()).peak_bytes
+    assert measured == optimized.remat.report().predicted_peak
