@@ -345,7 +345,8 @@ class PlanReport:
                     "first step": format_bytes(s.first_peak),
                     "store-all peak": format_bytes(store_all(s.composed.problem).peak),
                     "solver": f"{p.solver} ({p.status}"
-                    + ("" if p.gap is None else f", gap {p.gap:.1%}")
+                    + ("" if p.gap is None else f", gap {p.gap:.1%} over single recomputation")
+                    + (", multiple recomputation" if p.multiple else "")
                     + ")",
                 }
             )
@@ -369,7 +370,8 @@ class PlanReport:
                     "store-all peak": format_bytes(g.store_all.peak),
                     "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
                     "solver": f"{p.solver} ({p.status}"
-                    + ("" if p.gap is None else f", gap {p.gap:.1%}")
+                    + ("" if p.gap is None else f", gap {p.gap:.1%} over single recomputation")
+                    + (", multiple recomputation" if p.multiple else "")
                     + ")",
                     "plan time": f"{g.plan_seconds:.2f}s",
                 }

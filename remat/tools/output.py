@@ -133,6 +133,7 @@ def plan_table(report, budget: str) -> str:
         ("solver", lambda g: g.plan.solver),
         ("status", lambda g: g.plan.status),
         ("lower bound", lambda g: "-" if g.plan.bound is None else format_seconds(g.plan.bound)),
+        ("plan space", lambda g: _space(g.plan)),
         ("gap", lambda g: "-" if g.plan.gap is None else f"{g.plan.gap:.1%}"),
         ("solve time", lambda g: f"{g.plan.solve_seconds:.3f} s"),
         ("plan time", lambda g: f"{g.plan_seconds:.3f} s"),
@@ -149,6 +150,11 @@ def plan_table(report, budget: str) -> str:
     if len(report.graphs) > 1:
         summary += f"; {len(report.graphs)} graphs (graph breaks), planned one after another"
     return f"{table}\n{summary}"
+
+
+def _space(plan) -> str:
+    """Which plans a solver chose among: a CP-SAT bound and gap hold over single ones."""
+    return "multiple recomputation" if plan.multiple else "single recomputation"
 
 
 def _recomputed_bytes(g) -> int:
