@@ -82,12 +82,21 @@ def find_chain(problem: Problem) -> Chain | None:
     for i in problem.forward_nodes:
         if nodes[i].bytes == 0 and all(j in free for j in nodes[i].inputs):
             free.add(i)
-    forward = [i for i in problem.forward_nodes if i not in free]
+    # A view of an activation allocates nothing and may run anywhere after its base (the
+    # graph places some late, among the backward): it belongs to its base's stage.
+    views = {i for i in problem.forward_nodes if nodes[i].alias_of is not None} - free
+    forward = [i for i in problem.forward_nodes if i not in free and i not in views]
     if not forward:
         return None
+
+    def base(j: int) -> int:
+        while j in views:
+            j = nodes[j].alias_of
+        return j
+
     # earliest forward value each forward node reads; a cut c has none earlier read later
     earliest = {
-        i: min((j for j in nodes[i].inputs if nodes[j].phase == "fwd" and j not in free),
+        i: min((base(j) for j in nodes[i].inputs if nodes[j].phase == "fwd" and j not in free),
                default=i)
         for i in forward
     }  # fmt: skip
@@ -106,22 +115,39 @@ def find_chain(problem: Problem) -> Chain | None:
         cuts = cuts[stride - 1 :: stride]
     if cuts[-1] != forward[-1]:
         cuts.append(forward[-1])  # the last stage runs to the end (it may not be a cut)
-    stage_of = [0] * len(nodes)
-    k = 0
-    for i in forward:
-        stage_of[i] = k + 1
-        if k < len(cuts) and i == cuts[k]:
-            k += 1
-    groups: list[list[int]] = [[] for _ in cuts]
-    current = len(cuts)
+    while True:  # merge stages the backward interleaves (a shortcut's backward after its
+        stage_of = [0] * len(nodes)  # block's main path) until it reverses them in order
+        k = 0
+        for i in forward:
+            stage_of[i] = k + 1
+            if k < len(cuts) and i == cuts[k]:
+                k += 1
+        for i in sorted(views):
+            stage_of[i] = stage_of[base(i)]
+        groups, back = _groups(problem, stage_of, len(cuts))
+        if back is None:
+            return Chain(problem, tuple(cuts), tuple(stage_of), groups) if len(cuts) > 1 else None
+        low, high = back
+        cuts = [c for k, c in enumerate(cuts, 1) if not low <= k < high]
+        if len(cuts) < 2:
+            return None
+
+
+def _groups(problem: Problem, stage_of: list[int], stages: int):
+    """The backward core split by the stage each node's backward belongs to, and None;
+    or, where the backward returns to a later stage, None and (that stage's position so
+    far, the later stage)."""
+    nodes = problem.nodes
+    groups: list[list[int]] = [[] for _ in range(stages)]
+    current = stages
     for c in problem.backward_core[0]:
         reads = [stage_of[j] for j in nodes[c].inputs if stage_of[j]]
         if reads and max(reads) > current:
-            return None  # the backward comes back to a later stage: not a reversal
+            return None, (current, max(reads))
         if reads:
             current = max(reads)
         groups[current - 1].append(c)
-    return Chain(problem, tuple(cuts), tuple(stage_of), tuple(tuple(g) for g in groups))
+    return tuple(tuple(g) for g in groups), None
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -225,7 +251,7 @@ def chain_plan(chain: Chain, actions: list[Action], *, solver: str, budget: int 
     """The plan ``actions`` stand for: the forward runs up to the first backward stage (a
     plain forward pass); the rest is the backward's order, and what it reads before it
     computes it is what the forward hands over."""
-    problem, nodes = chain.problem, chain.problem.nodes
+    problem = chain.problem
     kept = _never_rebuilt(chain)
     first_back = next(k for k, a in enumerate(actions) if a[0] == "back")
     order: list[int] = []
@@ -238,16 +264,23 @@ def chain_plan(chain: Chain, actions: list[Action], *, solver: str, budget: int 
         else:
             _, left, right = action
             order += _stage_nodes(chain, left + 1, right, [chain.cuts[right - 1]], kept)
-    order = _without_dead(problem, order)
+    while True:  # a value handed over is read as such, never computed again after it
+        order = _without_dead(problem, order)
+        saved = _read_before_made(problem, order)
+        if not any(i in saved for i in order):
+            return evaluate(problem, saved, backward=tuple(order), solver=solver, budget=budget)
+        order = [i for i in order if i not in saved]
+
+
+def _read_before_made(problem: Problem, order: list[int]) -> set[int]:
+    """The forward values ``order`` reads before it computes them: the hand-over."""
+    nodes = problem.nodes
     made: set[int] = set()
     saved: set[int] = set()
     for i in order:
-        for j in nodes[i].inputs:
-            if nodes[j].phase == "fwd" and j not in made:
-                saved.add(j)
+        saved |= {j for j in nodes[i].inputs if nodes[j].phase == "fwd" and j not in made}
         made.add(i)
-    saved |= {j for j in problem.backward_core[1] if j not in made}
-    return evaluate(problem, saved, backward=tuple(order), solver=solver, budget=budget)
+    return saved | {j for j in problem.backward_core[1] if j not in made}
 
 
 def _without_dead(problem: Problem, order: list[int]) -> list[int]:
