@@ -441,7 +441,7 @@ class StepRunner:
         composed = compose(shape, name=f"step ({names})")
         used = tuple(r.graph.programs[r.program].plan for r in runs)
         saved = joint_saved(composed, tuple(p.saved for p in used))
-        order = joint_order(composed, used) if any(p.multiple for p in used) else None
+        order = joint_order(composed, used) if any(p.ordered for p in used) else None
         first = evaluate(composed.problem, saved, backward=order, solver="compile-time")
         log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
         limit = _limit(self.budget, composed)
@@ -455,7 +455,7 @@ class StepRunner:
             except InfeasibleBudget as refusal:
                 raise _in_step_terms(refusal, runs) from None
             saved = split(composed, plan)
-            orders = split_orders(composed, plan) if plan.multiple else (None,) * len(runs)
+            orders = split_orders(composed, plan) if plan.ordered else (None,) * len(runs)
             programs = tuple(
                 r.graph.program_for(evaluate(r.graph.problem, s, backward=o, solver=plan.solver))
                 for r, s, o in zip(runs, saved, orders, strict=True)

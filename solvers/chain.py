@@ -349,7 +349,9 @@ def sqrt(problem: Problem, budget: int | None = None) -> Plan:
 def revolve(problem: Problem, budget: int | None = None, *, slots: int | None = None) -> Plan:
     """The binomial (REVOLVE) schedule over the graph's stages: with ``slots``, for that
     many checkpoints; otherwise the most slots (the least recomputation) under
-    ``budget``, found by bisection (peaks grow with slots)."""
+    ``budget``, found by bisection. Peaks grow with slots only roughly (a slot's boundary
+    may replace a larger tape), so the bisection can miss a cheaper plan that fits; it
+    never returns one that does not."""
     start = time.perf_counter()
     chain = _chain_or_refuse(problem, "revolve")
     most = min(chain.length, MAX_SLOTS if slots is None else max(slots, 1))

@@ -13,8 +13,9 @@ from .simulate import Timeline, simulate
 @dataclass(frozen=True)
 class Plan:
     """Saved and recomputed forward values, with the schedule and timeline they imply.
-    A plan that recomputes some value more than once carries its backward's order in
-    ``schedule.backward`` (``multiple``); any other is determined by ``saved``.
+    A plan whose backward's order was given (``ordered``: the chain schedules, which
+    may recompute a value more than once, ``multiple``) is determined by
+    ``schedule.backward``; any other by ``saved``.
 
     ``status`` is ``"optimal"`` when the solver proved no cheaper plan meets
     the budget, ``"feasible"`` when it stopped with a proven ``bound`` on the
@@ -32,6 +33,7 @@ class Plan:
     timeline: Timeline
     bound: float | None = None
     solve_seconds: float = 0.0
+    ordered: bool = False  # the backward's order was given, not derived from ``saved``
 
     @property
     def multiple(self) -> bool:
@@ -84,6 +86,7 @@ def evaluate(
         timeline=timeline,
         bound=bound,
         solve_seconds=solve_seconds,
+        ordered=backward is not None,
     )
 
 

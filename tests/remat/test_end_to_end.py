@@ -507,3 +507,22 @@ def test_revolve_plans_train_as_eager_at_the_predicted_peak(name):
         assert 0 <= report.predicted_peak - measured <= 8192
     else:
         assert measured == report.predicted_peak
+
+
+def test_a_plan_that_gives_its_order_is_what_the_step_predicts():
+    """A chain schedule's backward order is the plan, even where no value runs twice: the
+    step's prediction follows that order, as the programs do."""
+    from remat.solvers.chain import chain_plan, find_chain, sqrt_actions
+
+    def every_second_stage(problem, budget):
+        chain = find_chain(problem)
+        return chain_plan(chain, sqrt_actions(chain.length, 2), solver="sqrt", budget=budget)
+
+    model, inputs = examples.mlp(layers=8, width=64, batch=512)
+    optimized = remat.optimize(model, budget=1.0, solver=every_second_stage)
+    optimized(*inputs).backward()
+    model.zero_grad(set_to_none=True)
+    measured = memory.peak(lambda: optimized(*inputs).backward()).peak_bytes
+    report = optimized.remat.report()
+    assert report.steps[-1].plan.ordered and not report.steps[-1].plan.multiple
+    assert measured == report.predicted_peak == report.graphs[0].plan.peak
