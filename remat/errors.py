@@ -9,11 +9,13 @@ compile stack to arise.
 from __future__ import annotations
 
 from remat.solvers.errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
+from remat.solvers.schedule import InvalidPlan
 
 __all__ = [
     "DynamicShapes",
     "InfeasibleBudget",
     "InvalidOption",
+    "InvalidPlan",
     "NothingCompiled",
     "RecompileLimitHit",
     "RematError",

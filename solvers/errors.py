@@ -8,8 +8,6 @@ expect (``ValueError`` for a bad value), so ``except ValueError`` keeps working.
 
 from __future__ import annotations
 
-from .plan import format_bytes
-
 
 class RematError(Exception):
     """A request remat refuses, with a message that says what to do instead."""
@@ -37,6 +35,8 @@ class InfeasibleBudget(RematError, ValueError):
         proven: bool = False,
         note: str = "",
     ) -> None:
+        from .plan import format_bytes  # plan -> schedule -> errors: import when raised
+
         self.budget, self.minimum, self.store_all = budget, minimum, store_all
         self.proven = proven
         where = f" for {graph}" if graph.startswith("step") else f" for graph {graph}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .errors import RematError
 from .graph import reachable
 from .problem import Problem
 
@@ -45,8 +46,9 @@ class Schedule:
     recompute_cost: float
 
 
-class InvalidPlan(ValueError):
-    """A saved set that cannot be realised (a solver bug, or bad user input)."""
+class InvalidPlan(RematError, ValueError):
+    """A plan that cannot be realised, or is not what it claims (a solver bug, or a
+    user's solver)."""
 
 
 def schedule(

@@ -12,8 +12,9 @@ from .chain import lowest_chain_peak, revolve, sqrt
 from .cpsat import cpsat
 from .errors import InfeasibleBudget, InvalidOption, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
-from .plan import Plan
+from .plan import Plan, evaluate
 from .problem import Problem
+from .schedule import InvalidPlan
 
 Solver = Callable[[Problem, int], Plan]
 
@@ -77,17 +78,17 @@ def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
 def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -> Plan:
     """Plan ``problem`` under ``budget`` (a ``Budget``, or what ``Budget.parse`` reads).
 
-    ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``;
-    a callable's plan is re-checked against the budget here, so a buggy user
-    solver cannot break the promise silently.
+    ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``.
+    No plan is taken on faith: each is derived again from its saved set (and its backward
+    order, where it gives one) through ``schedule`` and ``simulate``, a plan whose peak,
+    cost or programs differ from that is refused (``InvalidPlan``), and the budget is
+    checked against the derived peak; so a buggy solver cannot break the promise.
     """
     fn = solver_for(solver)
     budget = Budget.parse(budget)
     with _no_cycle_collection():
         limit = budget.resolve(store_all(problem).peak)
-        plan = fn(problem, limit)
-        if not isinstance(plan, Plan):
-            raise TypeError(f"solver {solver!r} returned {type(plan).__name__}, expected a Plan")
+        plan = _checked(problem, fn(problem, limit), solver)
         if plan.peak > limit:
             minimum = min_peak_plan(problem).peak
             if minimum > limit:
@@ -97,6 +98,32 @@ def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -
                 f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
             )
         return plan
+
+
+def _checked(problem: Problem, plan: object, solver: str | Solver) -> Plan:
+    """``plan`` if it is what its saved set and order make; else ``InvalidPlan`` naming
+    ``solver`` and what differs."""
+    name = getattr(solver, "__name__", None) or repr(solver)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"solver {name} returned {type(plan).__name__}, expected a Plan")
+    order = plan.schedule.backward if plan.ordered else None
+    try:
+        again = evaluate(problem, plan.saved, backward=order, solver=plan.solver)
+    except InvalidPlan as e:
+        raise InvalidPlan(f"solver {name} returned a plan that cannot run: {e}") from None
+    claims = {
+        "peak": (plan.peak, again.peak),
+        "recompute cost": (plan.recompute_cost, again.recompute_cost),
+        "programs": (plan.schedule, again.schedule),
+    }
+    wrong = [f"{what} {got!r:.60} (derived: {want!r:.60})"
+             for what, (got, want) in claims.items() if got != want]  # fmt: skip
+    if wrong:
+        raise InvalidPlan(
+            f"solver {name} returned a plan that is not what its saved values make: "
+            + "; ".join(wrong) + ". Build plans with remat.solvers.evaluate."
+        )
+    return plan
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from remat.solvers import (
     InvalidOption,
     Plan,
     format_bytes,
+    greedy,
     min_peak_plan,
     solve,
     store_all,
@@ -241,6 +242,26 @@ def test_callable_solver_within_budget_is_returned_as_is():
     p = chain(3)
     plan = store_all(p)
     assert solve(p, plan.peak, solver=lambda problem, budget: plan) is plan
+
+
+def test_no_plan_is_taken_on_faith():
+    """A plan whose claims are not what its saved values make is refused, naming the
+    solver and what differs: a forged peak, a plan of another graph."""
+    import dataclasses
+
+    from remat.solvers import InvalidPlan, RematError
+
+    p = chain(6)
+    honest = greedy(p, int(store_all(p).peak * 0.7))
+
+    def forged(problem, budget):
+        return dataclasses.replace(honest, peak=0)
+
+    with pytest.raises(InvalidPlan, match=r"solver forged .*peak 0 \(derived: "):
+        solve(p, 1000, forged)
+    other = store_all(chain(3))
+    with pytest.raises(RematError, match="solver <lambda>"):
+        solve(p, 1.0, lambda problem, budget: other)
 
 
 def test_callable_returning_a_non_plan_is_a_type_error():
