@@ -5,18 +5,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 from collections.abc import Callable, Iterator
 
 from .budget import Budget, BudgetLike
 from .chain import lowest_chain_peak, revolve, sqrt
 from .cpsat import cpsat
-from .errors import InfeasibleBudget, InvalidOption, SolverOverBudget
+from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
 from .plan import Plan, evaluate
 from .problem import Problem
 from .schedule import InvalidPlan
 
 Solver = Callable[[Problem, int], Plan]
+
+log = logging.getLogger("remat")
 
 
 def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
@@ -88,7 +91,7 @@ def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -
     budget = Budget.parse(budget)
     with _no_cycle_collection():
         limit = budget.resolve(store_all(problem).peak)
-        plan = _checked(problem, fn(problem, limit), solver)
+        plan = _checked(problem, _run_or_greedy(fn, problem, limit, solver), solver)
         if plan.peak > limit:
             minimum = min_peak_plan(problem).peak
             if minimum > limit:
@@ -98,6 +101,28 @@ def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -
                 f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
             )
         return plan
+
+
+def _run_or_greedy(fn: Solver, problem: Problem, limit: int, solver: str | Solver) -> object:
+    """``fn``'s answer; where it crashes (an OR-Tools fault, a bug in a user's solver), the
+    greedy's plan, with a warning naming the fault: a solver's failure must not end a
+    training step. Verdicts (``RematError``: the budget is infeasible, ...) pass."""
+    try:
+        return fn(problem, limit)
+    except RematError:
+        raise
+    except Exception as fault:
+        if fn is greedy:
+            raise
+        name = getattr(solver, "__name__", None) or repr(solver)
+        log.warning(
+            "remat %s: solver %s failed (%s: %s); planning with the greedy instead",
+            problem.name or "graph",
+            name,
+            type(fault).__name__,
+            " ".join(str(fault).split())[:200],
+        )
+        return greedy(problem, limit)
 
 
 def _checked(problem: Problem, plan: object, solver: str | Solver) -> Plan:

@@ -264,6 +264,19 @@ def test_no_plan_is_taken_on_faith():
         solve(p, 1.0, lambda problem, budget: other)
 
 
+def test_a_solver_that_crashes_is_replaced_by_the_greedy_with_a_warning(caplog):
+    p = chain(6)
+    budget = int(store_all(p).peak * 0.7)
+
+    def broken(problem, budget):
+        raise ZeroDivisionError("a bug in the user's solver")
+
+    with caplog.at_level("WARNING", logger="remat"):
+        plan = solve(p, budget, broken)
+    assert plan.solver == "greedy" and plan.peak <= budget
+    assert "solver broken failed (ZeroDivisionError: a bug in the user's solver)" in caplog.text
+
+
 def test_callable_returning_a_non_plan_is_a_type_error():
     with pytest.raises(TypeError, match="returned dict, expected a Plan"):
         solve(chain(2), 1.0, solver=lambda problem, budget: {"saved": []})
@@ -298,8 +311,8 @@ def test_solve_pauses_cycle_collection_and_restores_it(enabled):
         during.append(gc.isenabled())
         return store_all(problem)
 
-    def broken(problem, budget):
-        raise RuntimeError("solver bug")
+    def broken(problem, budget):  # a verdict passes (a crash would become the greedy's plan)
+        raise InvalidOption("solver bug")
 
     was = gc.isenabled()
     try:
@@ -307,7 +320,7 @@ def test_solve_pauses_cycle_collection_and_restores_it(enabled):
         solve(p, 1.0, solver=spy)
         assert during == [False]
         assert gc.isenabled() is enabled
-        with pytest.raises(RuntimeError, match="solver bug"):
+        with pytest.raises(InvalidOption, match="solver bug"):
             solve(p, 1.0, solver=broken)
         assert gc.isenabled() is enabled
     finally:
