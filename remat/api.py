@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,13 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
-from remat.errors import InvalidOption, NothingCompiled, RecompileLimitHit, RematError
+from remat.errors import (
+    EagerFallback,
+    InvalidOption,
+    NothingCompiled,
+    RecompileLimitHit,
+    RematError,
+)
 from remat.passes._torch_compat import (
     BackendCompilerFailed,
     FailOnRecompileLimitHit,
@@ -29,6 +36,7 @@ from remat.solvers.budget import Budget, BudgetLike
 from remat.solvers.solve import Solver
 from remat.steps import StepPlan, StepRunner
 
+ON_FAILURE = ("eager", "raise")  # what optimize does where remat cannot compile a model
 COMPILERS = ("eager", "inductor")  # what runs remat's fw/bw programs; the first is the default
 
 
@@ -170,6 +178,7 @@ def optimize(
     solver: str | Solver = "auto",
     compiler: str = "eager",
     cost_model: str = "roofline",
+    on_failure: str = "eager",
 ) -> nn.Module | Callable:
     """Return ``model`` compiled so each training step peaks under ``budget``.
 
@@ -181,22 +190,32 @@ def optimize(
     Planning happens at the first call, like ``torch.compile``, and the whole step is
     planned as one at the end of the first (``remat.steps``); ``result.remat.report()``
     shows what was decided.
+
+    ``on_failure``: where remat cannot compile the model (a bug, an op it cannot plan;
+    not a verdict such as ``InfeasibleBudget``, which is raised), ``"eager"`` runs it
+    eagerly from then on with one ``remat.errors.EagerFallback`` warning, ``"raise"``
+    raises. Only before any of remat's programs ran in that call: after, a rerun would
+    update buffers twice, so it raises either way.
     """
+    if on_failure not in ON_FAILURE:
+        raise InvalidOption(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
     if isinstance(model, nn.Module):
-        return _compiled_copy(model, rb)  # ``optimized.remat`` is ``rb``
+        return _compiled_copy(model, rb, on_failure)  # ``optimized.remat`` is ``rb``
     if not callable(model):
         raise TypeError(
             f"optimize expects an nn.Module or a function, got {type(model).__name__}"
         )
     name = getattr(model, "__qualname__", type(model).__name__)
-    compiled = _guarded(torch.compile(model, backend=rb, dynamic=False), rb, name)
+    compiled = _guarded(
+        torch.compile(model, backend=rb, dynamic=False), rb, name, model, on_failure
+    )
     functools.update_wrapper(compiled, model)
     compiled.remat = rb
     return compiled
 
 
-def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
+def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Module:
     """A module that is ``model`` in all but its ``forward``, which is compiled with ``rb``.
 
     It shares ``model``'s ``__dict__`` itself, so parameters, buffers, submodules, hooks
@@ -215,7 +234,11 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
             "(define it on the class)"
         )
     compiled = _guarded(
-        torch.compile(model.forward, backend=rb, dynamic=False), rb, f"{cls.__name__}.forward"
+        torch.compile(model.forward, backend=rb, dynamic=False),
+        rb,
+        f"{cls.__name__}.forward",
+        model.forward,
+        on_failure,
     )
 
     @functools.wraps(cls.forward)
@@ -238,12 +261,20 @@ def _compiled_copy(model: nn.Module, rb: RematBackend) -> nn.Module:
     return optimized
 
 
-def _guarded(compiled: Callable, rb: RematBackend, name: str) -> Callable:
-    """``compiled`` raising what the user must fix, never running eagerly unplanned."""
+def _guarded(
+    compiled: Callable, rb: RematBackend, name: str, eager: Callable, on_failure: str
+) -> Callable:
+    """``compiled`` raising what the user must fix, never running eagerly unplanned but
+    where remat failed to compile and ``on_failure`` says so (``optimize``)."""
     dynamo = dynamo_config
+    fell_back = False
 
     def run(*args, **kwargs):
+        nonlocal fell_back
+        if fell_back:
+            return eager(*args, **kwargs)
         rb.steps.entering()
+        ran = rb.steps.forwards_run
         try:
             # Past its recompile limit dynamo would run the step eagerly, outside the
             # budget, with only a log warning: fail instead (unless errors are suppressed,
@@ -252,9 +283,21 @@ def _guarded(compiled: Callable, rb: RematBackend, name: str) -> Callable:
                 out = compiled(*args, **kwargs)
         except BackendCompilerFailed as failure:
             # A budget or option error is the user's to fix: show it, not dynamo's wrapper.
-            if isinstance(failure.inner_exception, RematError):
-                raise failure.inner_exception from None
-            raise
+            inner = failure.inner_exception
+            if isinstance(inner, RematError):
+                raise inner from None
+            if on_failure == "raise" or rb.steps.forwards_run != ran:
+                raise
+            warnings.warn(
+                f"remat could not compile {name} ({type(inner).__name__}: "
+                f"{' '.join(str(inner).split())[:300]}); it runs eagerly from now on, "
+                "unplanned and outside the budget. optimize(..., on_failure='raise') makes "
+                "this an error.",
+                EagerFallback,
+                stacklevel=2,
+            )
+            fell_back = True
+            return eager(*args, **kwargs)
         except FailOnRecompileLimitHit as hit:
             raise RecompileLimitHit(name, dynamo.recompile_limit) from hit
         if not rb.compiles:  # dynamo skipped the whole frame: it will at every call
@@ -282,7 +325,7 @@ def plan(
     updates (BatchNorm statistics) and the parameters' ``.grad`` are restored afterwards.
     """
     rb = backend(budget, solver=solver, cost_model=cost_model)
-    traced = _compiled_copy(model, rb)
+    traced = _compiled_copy(model, rb, on_failure="raise")  # a plan or an error, not eager
     snapshot = {k: v.detach().clone() for k, v in model.named_buffers()}
     grads = {p: p.grad for p in model.parameters()}
     try:

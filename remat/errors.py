@@ -13,6 +13,7 @@ from remat.solvers.schedule import InvalidPlan
 
 __all__ = [
     "DynamicShapes",
+    "EagerFallback",
     "InfeasibleBudget",
     "InvalidOption",
     "InvalidPlan",
@@ -35,6 +36,11 @@ def user_error(exc: BaseException) -> RematError | None:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+class EagerFallback(UserWarning):
+    """remat could not compile a model, which then runs eagerly: unplanned, outside the
+    budget (``optimize(..., on_failure="raise")`` makes it an error instead)."""
 
 
 class DynamicShapes(RematError, ValueError):

@@ -369,6 +369,12 @@ class StepRunner:
         if step.outside is not None:
             step.outside.resume()
 
+    @property
+    def forwards_run(self) -> int:
+        """How many forward programs have run (a fallback to eager is safe only before
+        a call ran any: a rerun would update buffers twice)."""
+        return self._runs
+
     def entering(self) -> None:
         """The user calls the compiled function (``remat.optimize``'s wrapper): any
         ``OutsideMemory`` (this model's or another's, left by a step that ended or failed)
