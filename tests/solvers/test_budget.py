@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -343,3 +344,16 @@ def test_format_bytes():
     assert format_bytes(3 * 2**20) == "3.0 MiB"
     assert format_bytes(2**30) == "1.0 GiB"
     assert format_bytes(5 * 2**40) == "5120.0 GiB"
+
+
+def test_cpsat_out_of_time_before_any_solution_returns_the_greedys_plan():
+    """A time limit too short for CP-SAT to find anything still gives a plan that fits:
+    the greedy's, with which it starts (a bound of 0 says nothing was proven)."""
+    from remat.solvers.cpsat import cpsat
+    from remat.solvers.synthetic import layered
+
+    p = layered(4)
+    budget = int(store_all(p).peak * 0.5)
+    plan = solve(p, budget, functools.partial(cpsat, time_limit=1e-9))
+    assert plan.peak <= budget
+    assert plan.recompute_cost <= greedy(p, budget).recompute_cost
