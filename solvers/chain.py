@@ -33,6 +33,7 @@ from .errors import InfeasibleBudget, RematError
 from .graph import reachable
 from .plan import Plan, evaluate
 from .problem import Problem
+from .schedule import read_before_made
 
 MAX_SLOTS = 32  # revolve's search: 32 slots reverse 560 uniform stages in <= 2 forwards
 LOWEST_ONE_SLOT = 64  # stages up to which the floor search tries one slot
@@ -266,21 +267,10 @@ def chain_plan(chain: Chain, actions: list[Action], *, solver: str, budget: int 
             order += _stage_nodes(chain, left + 1, right, [chain.cuts[right - 1]], kept)
     while True:  # a value handed over is read as such, never computed again after it
         order = _without_dead(problem, order)
-        saved = _read_before_made(problem, order)
+        saved = read_before_made(problem, order)
         if not any(i in saved for i in order):
             return evaluate(problem, saved, backward=tuple(order), solver=solver, budget=budget)
         order = [i for i in order if i not in saved]
-
-
-def _read_before_made(problem: Problem, order: list[int]) -> set[int]:
-    """The forward values ``order`` reads before it computes them: the hand-over."""
-    nodes = problem.nodes
-    made: set[int] = set()
-    saved: set[int] = set()
-    for i in order:
-        saved |= {j for j in nodes[i].inputs if nodes[j].phase == "fwd" and j not in made}
-        made.add(i)
-    return saved | {j for j in problem.backward_core[1] if j not in made}
 
 
 def _without_dead(problem: Problem, order: list[int]) -> list[int]:

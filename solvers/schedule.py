@@ -94,16 +94,10 @@ def _given_order(problem: Problem, requested: frozenset[int], order: tuple[int, 
         raise InvalidPlan("the backward order names a node the problem does not have")
     if tuple(i for i in order if nodes[i].phase == "bwd") != core:
         raise InvalidPlan("the backward order must run the backward core once each, in order")
-    made: set[int] = set()
-    handed: set[int] = set()
-    for i in order:
-        node = nodes[i]
-        if node.phase == "fwd" and not node.recomputable:
-            raise InvalidPlan(f"{node.name} may not be recomputed, and the order recomputes it")
-        handed |= {j for j in node.inputs if nodes[j].phase == "fwd" and j not in made}
-        made.add(i)
-    handed |= {g for g in problem.grads if nodes[g].phase == "fwd" and g not in made}
-    handed |= {j for j in requested if j not in made}
+    fixed = [nodes[i].name for i in order if nodes[i].phase == "fwd" and not nodes[i].recomputable]
+    if fixed:
+        raise InvalidPlan(f"{fixed[0]} may not be recomputed, and the order recomputes it")
+    handed = read_before_made(problem, order) | (requested - set(order))
     bad = [j for j in handed if problem.outputs_of[j]]
     if bad:
         raise InvalidPlan(
@@ -119,6 +113,18 @@ def _given_order(problem: Problem, requested: frozenset[int], order: tuple[int, 
         seen.add(i)
     forward = tuple(sorted(base | extra))
     return Schedule(forward, order, saved, frozenset(recomputes), cost)
+
+
+def read_before_made(problem: Problem, order: Sequence[int]) -> set[int]:
+    """The forward values a backward ``order`` reads (or returns as gradients) before it
+    computes them: what the forward must hand over for it."""
+    nodes = problem.nodes
+    made: set[int] = set()
+    handed: set[int] = set()
+    for i in order:
+        handed |= {j for j in nodes[i].inputs if nodes[j].phase == "fwd" and j not in made}
+        made.add(i)
+    return handed | {g for g in problem.grads if nodes[g].phase == "fwd" and g not in made}
 
 
 def _backward_core(problem: Problem) -> tuple[list[int], list[int]]:

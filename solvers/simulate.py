@@ -162,6 +162,8 @@ def _run_copies(
         for root, nbytes in allocations[i]:
             written[root] = new_copy(root, nbytes, t)
             touched.append(written[root])
+            if root in at_start:  # a re-run over a value handed over: that one stays till here
+                touched.append(at_start[root])
         if node.alias_of is not None:
             reads_as[i] = copy_of(node.alias_of)
         elif node.output_of is not None:
