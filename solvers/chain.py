@@ -79,10 +79,13 @@ def find_chain(problem: Problem) -> Chain | None:
     nodes = problem.nodes
     # Values made of resident tensors alone (a weight's transpose) cost nothing to hand
     # over or remake, wherever they are: they bind no stage.
+    # A multi-output op's bytes are on its outputs: it is free only if they all are.
     free: set[int] = set()
     for i in problem.forward_nodes:
-        if nodes[i].bytes == 0 and all(j in free for j in nodes[i].inputs):
-            free.add(i)
+        parts = problem.outputs_of[i]
+        if (nodes[i].bytes == 0 and all(j in free for j in nodes[i].inputs)
+                and all(nodes[p].bytes == 0 for p in parts)):
+            free.add(i)  # fmt: skip
     # A view of an activation allocates nothing and may run anywhere after its base (the
     # graph places some late, among the backward): it belongs to its base's stage.
     views = {i for i in problem.forward_nodes if nodes[i].alias_of is not None} - free
