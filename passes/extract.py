@@ -145,13 +145,27 @@ def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:
     of a scalar loss); a multi-output op's outputs are counted on their
     getitems (the simulator allocates them when the op runs), except outputs no
     getitem reads (still written by the kernel, then dropped)."""
-    if node.target is operator.getitem or is_tangent(node):
-        return _tensor_bytes(node.meta.get("val"))  # autograd allocates a tangent for it
+    if is_tangent(node):
+        return _strided_bytes(node.meta.get("val"))
+    if node.target is operator.getitem:
+        return _tensor_bytes(node.meta.get("val"))
     if not is_multi_output(node):
         return facts.allocated_bytes(node)
     vals = node.meta["val"]
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     return sum(_tensor_bytes(v) for k, v in enumerate(vals) if k not in read)
+
+
+def _strided_bytes(val: object) -> int:
+    """Bytes of the storage a tangent lives in: AOTAutograd gives each tangent its
+    forward output's strides (``empty_strided`` and a copy when the incoming gradient's
+    differ), so a tangent of a split's slice spans its base's row stride (124 bytes, not
+    112, for a 4x7 slice of a 4x8 matrix)."""
+    if not isinstance(val, torch.Tensor) or val.numel() == 0:
+        return 0
+    extents = zip(val.shape, val.stride(), strict=True)
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in extents)
+    return max(span, val.numel()) * val.element_size()
 
 
 def _tensor_bytes(val: object) -> int:
