@@ -126,9 +126,8 @@ class Exact:
             k = self.use[R][1]
             last_terms.append(k * K + K - 1 if k < len(self.core) else horizon - 1)
         members = self.members[R]
+        # a re-run of R's op writes a second buffer (``rw``): it does not read R
         touchers = {u for v in members for u in self.users[v]} | set(members) - {R}
-        if op is not None:
-            touchers.add(op)
         for u in sorted(touchers):
             if u in self.time:
                 t = m.NewIntVar(-1, horizon, f"touch{R}_{u}")
@@ -190,9 +189,7 @@ class Exact:
         else:
             members = self.members[R]
             readers = {u for v in members for u in self.users[v]} - set(members)
-            touchers = readers | set(members) - {R}
-            if op is not None:
-                touchers.add(op)  # re-running its op rewrites R
+            touchers = readers | set(members) - {R}  # not its op: a re-run writes anew
             later_lits = [
                 self._relative(u, k, rank, by=False) for u in sorted(touchers) if u in self._movable
             ]

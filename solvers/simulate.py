@@ -86,19 +86,22 @@ def _run(
     steps = np.array(order, dtype=np.int64)
     kept = np.zeros(size, dtype=bool)
     kept[list(keep)] = True
-    touch_step, touch_at = _gather(packed.touch_ptr, steps)
-    last_use = np.full(size, -1, dtype=np.int64)
-    np.maximum.at(last_use, packed.touch_roots[touch_at], touch_step)
     live = np.array(start, dtype=np.int64)
-    live = live[kept[live] | (last_use[live] >= 0)]
-    if not len(steps):
-        return _Run(phase, int(packed.bytes[live].sum()), -1, frozenset(live.tolist()), ())
     was_live = np.zeros(size, dtype=bool)
     was_live[live] = True
-
     alloc_step, alloc_at = _gather(packed.alloc_ptr, steps)
     roots, sizes = packed.alloc_roots[alloc_at], packed.alloc_bytes[alloc_at]
     again = was_live[roots]
+    touch_step, touch_at = _gather(packed.touch_ptr, steps)
+    touch_roots = packed.touch_roots[touch_at]
+    if again.any():  # an op re-run over a value handed over writes anew: not a read of it
+        rewrite = np.isin(touch_step * size + touch_roots, alloc_step[again] * size + roots[again])
+        touch_step, touch_roots = touch_step[~rewrite], touch_roots[~rewrite]
+    last_use = np.full(size, -1, dtype=np.int64)
+    np.maximum.at(last_use, touch_roots, touch_step)
+    live = live[kept[live] | (last_use[live] >= 0)]
+    if not len(steps):
+        return _Run(phase, int(packed.bytes[live].sum()), -1, frozenset(live.tolist()), ())
     scratch = packed.workspace[steps]
     np.add.at(scratch, alloc_step[again], sizes[again])
     born, born_step, born_bytes = roots[~again], alloc_step[~again], sizes[~again]
@@ -159,11 +162,9 @@ def _run_copies(
     for t, i in enumerate(order):
         node = nodes[i]
         touched = [copy_of(j) for j in node.inputs]
-        for root, nbytes in allocations[i]:
+        for root, nbytes in allocations[i]:  # a re-run writes new copies, reading none
             written[root] = new_copy(root, nbytes, t)
             touched.append(written[root])
-            if root in at_start:  # a re-run over a value handed over: that one stays till here
-                touched.append(at_start[root])
         if node.alias_of is not None:
             reads_as[i] = copy_of(node.alias_of)
         elif node.output_of is not None:

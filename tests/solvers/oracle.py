@@ -14,7 +14,9 @@ Memory rules used (one program at a time):
 - a multi-output op (a node other nodes name in ``output_of``) allocates the
   storages of all its outputs when it runs; running a getitem allocates nothing;
 - running a node *touches* its own storage, the storages of its inputs, and (for
-  a multi-output op) the storages of all its outputs;
+  a multi-output op) the storages of all its outputs, but one handed over that it
+  re-runs over: the kernel writes a second buffer (live at that step only) and does
+  not read the first;
 - a node's ``workspace`` bytes count at its own step only;
 - a storage is live at step ``p`` if it was allocated at or before ``p`` (or came
   in live at the program's start) and it is kept by the program or touched at
@@ -245,13 +247,15 @@ def _program(
         if node.output_of is None:
             for w in [i, *multi_outputs(problem, i)]:
                 owner = storage_owner(problem, w)
+                if nodes[w].alias_of is None and owner in allocated_at and w != i:
+                    # the kernel writes a second buffer for an output already handed
+                    # over, without reading that one; nothing reads it, it dies with
+                    # the step
+                    rewritten[p] = rewritten.get(p, 0) + nodes[w].bytes
+                    continue
                 touch.add(owner)
                 if nodes[w].alias_of is None:
-                    if owner in allocated_at and w != i:
-                        # the kernel writes a second buffer for an output already
-                        # handed over; nothing reads it, it dies with the step
-                        rewritten[p] = rewritten.get(p, 0) + nodes[w].bytes
-                    elif owner in allocated_at:
+                    if owner in allocated_at:
                         reallocated.append((i, owner))
                     else:
                         allocated_at[owner] = p
