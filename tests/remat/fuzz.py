@@ -91,10 +91,7 @@ class _Value:
     contiguous: bool = True
     readers: int = 0
     retired: bool = False  # overwritten in place: read the in-place op's value instead
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    dropped: bool = False  # computed from a dropout's output (see _partners)
 
 
 @dataclass(frozen=True)
@@ -180,6 +177,8 @@ class _Builder:
     def emit(self, outs: list[_Value], expr: str, reads: list[_Value]) -> None:
         for v in reads:
             v.readers += 1
+        for v in outs:
+            v.dropped = v.dropped or any(r.dropped for r in reads)
         self.body.append(f"{', '.join(v.name for v in outs)} = {expr}")
 
 
@@ -209,7 +208,7 @@ def _matmul(b: _Builder, a: _Value) -> None:
 
 
 def _bmm(b: _Builder, a: _Value) -> None:
-    other = b.pick(lambda v: v.shape == a.shape)
+    other = b.pick(lambda v: v.shape == a.shape and not v.dropped)
     shape = a.shape[:2] + (a.shape[1],)
     expr = f"{a.name} @ {other.name}.transpose(1, 2)"
     b.emit([b.new(shape, "matmul", a.grad or other.grad)], expr, [a, other])
@@ -256,7 +255,7 @@ def _unary(b: _Builder, a: _Value) -> None:
 
 def _binary(b: _Builder, a: _Value) -> None:
     # a residual or skip connection when ``other`` is an earlier value
-    other = b.pick(lambda v: v.shape == a.shape)
+    other = b.pick(lambda v: _partners(a, v))
     op = b.draw(st.sampled_from(["+", "*"]))
     kind = "add" if op == "+" else "mul"
     out = b.new(a.shape, kind, a.grad or other.grad, a.contiguous and other.contiguous)
@@ -300,18 +299,16 @@ def _flatten(b: _Builder, a: _Value) -> None:
 
 def _inplace(b: _Builder, a: _Value) -> None:
     op = b.draw(st.sampled_from(["relu_", "add_", "mul_"]))
-    partners = b.live(lambda v: v.shape == a.shape and v is not a)
+    partners = b.live(lambda v: _partners(a, v) and v is not a)
     if op == "relu_":
         expr, kind, reads = f"{a.name}.relu_()", "saves-output", [a]
     elif not partners or b.draw(st.booleans()):
         scalar = b.draw(st.sampled_from(["0.5", "-1.5"]))
         expr, kind, reads = f"{a.name}.{op}({scalar})", "add", [a]
     else:
-        other = b.pick(lambda v: v.shape == a.shape and v is not a)
-        expr, kind, reads = f"{a.name}.{op}({other.name})", "add" if op == "add_" else "mul", [
-            a,
-            other,
-        ]
+        other = b.pick(lambda v: _partners(a, v) and v is not a)
+        kind = "add" if op == "add_" else "mul"
+        expr, reads = f"{a.name}.{op}({other.name})", [a, other]
         a.grad = a.grad or other.grad
     out = b.new(a.shape, kind, a.grad)
     b.emit([out], expr, reads)
@@ -323,7 +320,9 @@ def _dropout(b: _Builder, a: _Value) -> None:
     expr = f"F.dropout({a.name}, {p}, self.training)"
     # eager's dropout at p=0 returns its input itself: an alias, like a view
     kind = "view" if p == 0 else "dropout"
-    b.emit([b.new(a.shape, kind, a.grad, a.contiguous)], expr, [a])
+    out = b.new(a.shape, kind, a.grad, a.contiguous)
+    out.dropped = p > 0  # p=0 compiles to a clone: no dropout backward
+    b.emit([out], expr, [a])
 
 
 def _cat(b: _Builder, a: _Value) -> None:
@@ -362,6 +361,22 @@ def _embedding(b: _Builder, a: _Value) -> None:
     b.emit([b.new((BATCH, width), "embedding", True)], f"{m}(ids)", [])
 
 
+# torch's fake (meta) native_dropout_backward returns a contiguous gradient where the CPU
+# kernel keeps a permuted incoming gradient's layout, so a view in AOTAutograd's backward
+# fails at runtime (plain ``torch.compile(backend="aot_eager")`` too: a linear, dropout,
+# then ``x @ dropped.transpose(1, 2)``). So dropout reads only contiguous values, and what
+# its output flows into never permutes its gradient: no transpose, permute or bmm of it,
+# no sum with a permuted value.
+
+
+def _partners(a: _Value, v: _Value) -> bool:
+    """Whether ``v`` may be ``a``'s second operand: same shape, and a dropout's output
+    meets only operands of its own (contiguous) layout."""
+    if v.shape != a.shape:
+        return False
+    return v is a or not (a.dropped or v.dropped) or (a.contiguous and v.contiguous)
+
+
 def _inplace_target(v: _Value) -> bool:
     return v.kind in _INPLACE_SAFE and v.readers == 0 and v.kind != "input"
 
@@ -373,7 +388,10 @@ def _rank(*ranks):
 _RULES = {
     "linear": (_widths, _linear),
     "matmul": (_widths, _matmul),
-    "bmm": (lambda v: len(v.shape) == 3 and _fits(v.shape[:2] + (v.shape[1],)), _bmm),
+    "bmm": (
+        lambda v: len(v.shape) == 3 and not v.dropped and _fits(v.shape[:2] + (v.shape[1],)),
+        _bmm,
+    ),
     "conv1d": (lambda v: len(v.shape) == 3 and _channels(v), _conv),
     "conv2d": (lambda v: len(v.shape) == 4 and _channels(v), _conv),
     "batchnorm": (_rank(2, 3, 4), _batchnorm),
@@ -381,11 +399,11 @@ _RULES = {
     "unary": (lambda v: True, _unary),
     "binary": (lambda v: True, _binary),
     "view": (lambda v: v.contiguous and len(v.shape) < 4 and _divisors(v.shape[-1]), _view),
-    "transpose": (lambda v: len(v.shape) >= 3, _transpose),
-    "permute": (lambda v: len(v.shape) >= 3, _permute),
+    "transpose": (lambda v: len(v.shape) >= 3 and not v.dropped, _transpose),
+    "permute": (lambda v: len(v.shape) >= 3 and not v.dropped, _permute),
     "flatten": (lambda v: len(v.shape) >= 3, _flatten),
     "inplace": (_inplace_target, _inplace),
-    "dropout": (lambda v: True, _dropout),
+    "dropout": (lambda v: v.contiguous, _dropout),
     "cat": (lambda v: _fits(_cat_shape(v, v)), _cat),
     "split": (lambda v: v.shape[-1] >= 2, _split),
     "index_select": (lambda v: v.shape[-1] >= INDEX_RANGE, _index_select),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import remat
@@ -45,7 +45,7 @@ settings.register_profile(
 PROFILE = settings.get_profile("fuzz-long" if os.environ.get("REMAT_FUZZ") == "long" else "fuzz-ci")
 
 STEPS = 2
-LR = 0.1
+LR = 0.01  # small: products of activations (x @ x.T twice) make large gradients
 RTOL, ATOL = 1e-4, 1e-5  # float32: recomputation and reordering change rounding only
 # remat over-predicts a step holding batch norm by a few hundred bytes (a known
 # over-prediction, as in the CNN example); an under-prediction is never allowed.
@@ -56,12 +56,17 @@ def _loss(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _finite(value) -> bool:
+    values = value if isinstance(value, tuple) else (value,)
+    return all(bool(torch.isfinite(v).all()) for v in values)
+
+
 def _close(actual, expected, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
 class _Trainer:
-    """A model, its inputs and its SGD optimizer; ``step`` runs one training step."""
+    """A model, its inputs and its SGD optimizer (none for a model without parameters)."""
 
     def __init__(self, spec: fuzz.ModelSpec, model: torch.nn.Module, run) -> None:
         self.model, self.run = model, run
@@ -110,6 +115,8 @@ def _check(spec: fuzz.ModelSpec, budget) -> None:
         torch.manual_seed(100 + step)
         ref_out = eager.forward_backward()
         ref_rng = torch.get_rng_state()
+        # a model whose eager training overflows has nothing to compare (inf, NaN)
+        assume(all(_finite(t) for t in (ref_out, *eager.grads().values())))
 
         _close(out, ref_out, f"step {step} outputs")
         grads, ref_grads = ours.grads(), eager.grads()
