@@ -30,6 +30,7 @@ from .graph import is_kernel, is_view
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "VALID_INPUTS",
     "KernelMemory",
     "ProfileResult",
     "kernel_memory",
@@ -97,8 +98,16 @@ def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
     return base.as_strided(sizes, strides, hint(fake.storage_offset()))
 
 
+# Ops whose inputs must hold what random data cannot (``remat::reversible_backward``'s
+# generator states, which the generator refuses when invalid): op name -> a function that
+# turns the synthetic (args, kwargs) into valid ones of the same shapes. Registered by the
+# module that defines the op; without it the op is not measured (its scratch counts 0).
+VALID_INPUTS: dict[str, Callable[[tuple, dict], tuple[tuple, dict]]] = {}
+
+
 def _real_args(node: fx.Node, place: Callable[[torch.device], torch.device]) -> tuple[tuple, dict]:
-    """Concrete args for ``node``: tensors materialised where ``place`` puts them."""
+    """Concrete args for ``node``: tensors materialised where ``place`` puts them (and
+    made valid where ``VALID_INPUTS`` says how)."""
     made: dict[fx.Node, Any] = {}
 
     def convert(a: Any) -> Any:
@@ -122,7 +131,10 @@ def _real_args(node: fx.Node, place: Callable[[torch.device], torch.device]) -> 
             return hint(a)
         return a
 
-    return tree_map(convert, (node.args, node.kwargs))
+    args, kwargs = tree_map(convert, (node.args, node.kwargs))
+    schema = op_schema(node.target)
+    valid = VALID_INPUTS.get(schema.name) if schema is not None else None
+    return valid(args, kwargs) if valid is not None else (args, kwargs)
 
 
 def _time_op(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int) -> float:
