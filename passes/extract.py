@@ -67,6 +67,12 @@ def must_be_in_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "must_be_in_backward"
 
 
+def problem_nodes(joint: fx.GraphModule) -> tuple[fx.Node, ...]:
+    """The fx nodes a problem of ``joint`` has, in its order: all but the resident ones
+    and the output."""
+    return tuple(n for n in joint.graph.nodes if n.op != "output" and not is_resident(n))
+
+
 def extract(
     joint: fx.GraphModule, num_fwd_outputs: int, facts: NodeFacts, name: str = ""
 ) -> Extracted:
@@ -87,9 +93,7 @@ def extract(
     index: dict[fx.Node, int] = {}
     kept: list[fx.Node] = []
     nodes: list[Node] = []
-    for n in graph_nodes:
-        if n.op == "output" or is_resident(n):
-            continue
+    for n in problem_nodes(joint):
         inputs = tuple(sorted({index[i] for i in n.all_input_nodes if i in index}))
         base = facts.aliased_input(n)
         producer = n.args[0] if n.target is operator.getitem else None

@@ -6,6 +6,7 @@
 
 from remat import errors, memory
 from remat.api import PlanReport, RematBackend, backend, optimize, partitioner, plan
+from remat.config import configure
 from remat.errors import (
     DynamicShapes,
     InfeasibleBudget,
@@ -30,6 +31,7 @@ __all__ = [
     "RematError",
     "SolverOverBudget",
     "backend",
+    "configure",
     "errors",
     "memory",
     "optimize",

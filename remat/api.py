@@ -12,6 +12,8 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from remat.cache import CacheLike, open_cache
+from remat.config import option
 from remat.errors import (
     EagerFallback,
     InvalidOption,
@@ -57,14 +59,16 @@ class RematBackend:
         solver: str | Solver = "auto",
         compiler: str = "eager",
         cost_model: str = "roofline",
+        cache: CacheLike = None,
     ) -> None:
         if compiler not in COMPILERS:
             raise InvalidOption(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         budget = Budget.parse(budget)
         self.compiler = compiler
         self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
-        self.planner = Planner(budget, solver=solver, cost_model=cost_model)
-        self.steps = StepRunner(budget, solver)
+        self.cache = open_cache(cache)  # ``remat.cache``; None when off
+        self.planner = Planner(budget, solver=solver, cost_model=cost_model, cache=self.cache)
+        self.steps = StepRunner(budget, solver, self.cache)
         # under inductor remat sees no runs, only the order dynamo compiles frames in
         self.planner.joint_follows = compiler == "eager"
         self.planner.held_now = (
@@ -141,43 +145,57 @@ class InductorPartitioner(custom_partitioner_base()):
 
 
 def backend(
-    budget: BudgetLike,
+    budget: BudgetLike | None = None,
     *,
-    solver: str | Solver = "auto",
-    compiler: str = "eager",
-    cost_model: str = "roofline",
+    solver: str | Solver | None = None,
+    compiler: str | None = None,
+    cost_model: str | None = None,
+    cache: CacheLike = None,
 ) -> RematBackend:
-    """A backend for ``torch.compile(model, backend=remat.backend(budget=...))``."""
-    return RematBackend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
+    """A backend for ``torch.compile(model, backend=remat.backend(budget=...))``. Options
+    not given come from ``remat.configure`` or ``REMAT_*`` variables (``remat.config``);
+    ``cache``: ``remat.cache.open_cache``."""
+    return RematBackend(
+        option("budget", budget),
+        solver=option("solver", solver),
+        compiler=option("compiler", compiler),
+        cost_model=option("cost_model", cost_model),
+        cache=cache,
+    )
 
 
 def partitioner(
-    budget: BudgetLike, *, solver: str | Solver = "auto", cost_model: str = "roofline"
+    budget: BudgetLike | None = None,
+    *,
+    solver: str | Solver | None = None,
+    cost_model: str | None = None,
+    cache: CacheLike = None,
 ) -> InductorPartitioner:
     """A ``CustomPartitionerFn`` for ``torch._inductor.config.custom_partitioner_fn``."""
-    planner = Planner(budget, solver=solver, cost_model=cost_model)
+    planner = Planner(
+        option("budget", budget),
+        solver=option("solver", solver),
+        cost_model=option("cost_model", cost_model),
+        cache=open_cache(cache),
+    )
     planner.held_now = planner.held_by_earlier_frames
     return InductorPartitioner(planner)
 
 
 def _dynamo_backend_entry(gm, example_inputs, *, options: dict | None = None, mode=None):
-    """Entry point for ``torch.compile(model, backend="remat", options={"budget": ...})``."""
-    options = dict(options or {})
-    if "budget" not in options:
-        raise InvalidOption(
-            'the "remat" backend needs a budget: options={"budget": "2GiB"} '
-            "(or a fraction of the store-all peak, e.g. 0.5)"
-        )
-    return backend(**options)(gm, example_inputs)
+    """Entry point for ``torch.compile(model, backend="remat", options={"budget": ...})``;
+    without ``options``, ``remat.configure`` or ``REMAT_*`` variables give them."""
+    return backend(**dict(options or {}))(gm, example_inputs)
 
 
 def optimize(
     model: nn.Module | Callable,
-    budget: BudgetLike,
+    budget: BudgetLike | None = None,
     *,
-    solver: str | Solver = "auto",
-    compiler: str = "eager",
-    cost_model: str = "roofline",
+    solver: str | Solver | None = None,
+    compiler: str | None = None,
+    cost_model: str | None = None,
+    cache: CacheLike = None,
     on_failure: str = "eager",
 ) -> nn.Module | Callable:
     """Return ``model`` compiled so each training step peaks under ``budget``.
@@ -189,7 +207,9 @@ def optimize(
     an optimizer built on either trains both and ``model.eval()`` switches both.
     Planning happens at the first call, like ``torch.compile``, and the whole step is
     planned as one at the end of the first (``remat.steps``); ``result.remat.report()``
-    shows what was decided.
+    shows what was decided. Options not given come from ``remat.configure`` or ``REMAT_*``
+    variables (``remat.config``); ``cache`` is the plan cache on disk (``remat.cache``:
+    None for the default, on unless ``REMAT_CACHE=0``; False off; a folder).
 
     ``on_failure``: where remat cannot compile the model (a bug, an op it cannot plan;
     not a verdict such as ``InfeasibleBudget``, which is raised), ``"eager"`` runs it
@@ -199,7 +219,7 @@ def optimize(
     """
     if on_failure not in ON_FAILURE:
         raise InvalidOption(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
-    rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model)
+    rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model, cache=cache)
     if isinstance(model, nn.Module):
         return _compiled_copy(model, rb, on_failure)  # ``optimized.remat`` is ``rb``
     if not callable(model):
@@ -311,10 +331,11 @@ def _guarded(
 def plan(
     model: nn.Module,
     example_inputs: Sequence,
-    budget: BudgetLike,
+    budget: BudgetLike | None = None,
     *,
-    solver: str | Solver = "auto",
-    cost_model: str = "roofline",
+    solver: str | Solver | None = None,
+    cost_model: str | None = None,
+    cache: CacheLike = None,
     example_kwargs: Mapping[str, Any] | None = None,
 ) -> PlanReport:
     """Plan ``model``'s training step on ``example_inputs`` (and ``example_kwargs``: Hugging
@@ -324,7 +345,7 @@ def plan(
     output, a gradient of ones), so the step is planned as one. Buffers the forward
     updates (BatchNorm statistics) and the parameters' ``.grad`` are restored afterwards.
     """
-    rb = backend(budget, solver=solver, cost_model=cost_model)
+    rb = backend(budget, solver=solver, compiler="eager", cost_model=cost_model, cache=cache)
     traced = _compiled_copy(model, rb, on_failure="raise")  # a plan or an error, not eager
     snapshot = {k: v.detach().clone() for k, v in model.named_buffers()}
     grads = {p: p.grad for p in model.parameters()}

@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from remat import costs
+from remat.cache import PlanCache
 from remat.costs import CostModel, check_cost_model
 from remat.errors import DynamicShapes
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
@@ -75,13 +76,19 @@ class Planner:
     (``remat.steps`` plans the step as one after that)."""
 
     def __init__(
-        self, budget: BudgetLike, *, solver: str | Solver = "auto", cost_model: str = "roofline"
+        self,
+        budget: BudgetLike,
+        *,
+        solver: str | Solver = "auto",
+        cost_model: str = "roofline",
+        cache: PlanCache | None = None,
     ) -> None:
         check_cost_model(cost_model)  # fail at construction, not at the first forward
         solver_for(solver)  # fail at construction, not at the first forward
         self.budget = Budget.parse(budget)
         self.solver = solver
         self.cost_model = cost_model
+        self.cache = cache  # problems and plans of earlier processes (``remat.cache``)
         self.graphs: list[GraphPlan] = []
         # set by the backend for the next graph: its inputs that are leaves needing a
         # gradient, as ``GraphPlan.leaves`` (the joint graph alone does not say which)
@@ -158,12 +165,12 @@ class Planner:
         end (which then fits the budget or names the step's minimum), the lowest-peak plan;
         else the refusal."""
         if not self.joint_follows:
-            return solve(problem, limit, self.solver)
+            return solve(problem, limit, self._cached(self.solver))
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
             solver = functools.partial(auto if solver == "auto" else cpsat, probes=0)
         try:
-            return solve(problem, limit, solver)
+            return solve(problem, limit, self._cached(solver))
         except InfeasibleBudget:
             log.warning(
                 "remat %s: no plan fits what is left of the budget for it (%s; the runs "
@@ -175,7 +182,23 @@ class Planner:
             )
             return min_peak_plan(problem)
 
+    def _cached(self, solver: str | Solver) -> str | Solver:
+        return solver if self.cache is None else self.cache.solver(solver)
+
     def _extract(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
+        """The graph as a ``Problem``, from the plan cache where an earlier process stored
+        it, else measured (``_measure``)."""
+
+        def measure() -> Extracted:
+            return self._measure(joint, num_fwd_outputs, name)
+
+        if self.cache is None:
+            return measure()
+        device = _device_of(joint)
+        args = (joint, num_fwd_outputs, self.cost_model, device, name, measure)
+        return self.cache.extracted(*args)
+
+    def _measure(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
         """The graph as a ``Problem``: bytes (each kernel measured on the device, see
         ``CostModel``) and times per node; logged, since on big models it takes a while."""
         with real_tensors():  # the cost model may run ops on the device

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from remat.cache import PlanCache
 from remat.outside import OutsideMemory, push_if_not_top
 from remat.passes._torch_compat import (
     FakeTensor,
@@ -167,8 +168,9 @@ class _Recording:
 class StepRunner:
     """Runs the graphs of one compiled model step by step (module docstring)."""
 
-    def __init__(self, budget: Budget, solver) -> None:
+    def __init__(self, budget: Budget, solver, cache: PlanCache | None = None) -> None:
         self.budget, self.solver = budget, solver
+        self.cache = cache  # ``remat.cache``: a joint plan an earlier process made
         self.graphs: dict[str, Graph] = {}
         self.plans: list[StepPlan] = []
         self.step: _Recording | None = None
@@ -380,7 +382,8 @@ class StepRunner:
             programs = (runs[0].program,)
         else:
             try:
-                plan = solve(composed.problem, self.budget, self.solver)
+                solver = self.solver if self.cache is None else self.cache.solver(self.solver)
+                plan = solve(composed.problem, self.budget, solver)
             except InfeasibleBudget as refusal:
                 raise _in_step_terms(refusal, runs) from None
             saved = split(composed, plan)
