@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from remat import costs
+from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.costs import CostModel, check_cost_model
 from remat.errors import DynamicShapes
@@ -183,7 +184,7 @@ class Planner:
             return min_peak_plan(problem)
 
     def _cached(self, solver: str | Solver) -> str | Solver:
-        return solver if self.cache is None else self.cache.solver(solver)
+        return planning_solver(solver, self.cache)
 
     def _extract(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
         """The graph as a ``Problem``, from the plan cache where an earlier process stored

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.outside import OutsideMemory, push_if_not_top
 from remat.passes._torch_compat import (
@@ -382,7 +383,7 @@ class StepRunner:
             programs = (runs[0].program,)
         else:
             try:
-                solver = self.solver if self.cache is None else self.cache.solver(self.solver)
+                solver = planning_solver(self.solver, self.cache)
                 plan = solve(composed.problem, self.budget, solver)
             except InfeasibleBudget as refusal:
                 raise _in_step_terms(refusal, runs) from None

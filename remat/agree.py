@@ -1,0 +1,90 @@
+"""One plan on every rank of a distributed job, and the solver as remat runs it.
+
+Ranks of a DDP or FSDP2 job trace the same graphs, but a solver with a time limit
+(CP-SAT) may stop at different plans on different machines, and the ``profile`` cost
+model times kernels per machine. Each plan is therefore compared across ranks (a hash,
+all-gathered) and where they differ every rank takes rank 0's, derived again from its
+saved values on its own problem (``solvers.solve`` then checks it like any other plan).
+Every rank must plan the same graphs in the same order, as it does when all trace one
+model: each solve is one collective on the default process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from remat.cache import PlanCache
+from remat.keys import digest
+from remat.passes._torch_compat import real_tensors
+from remat.solvers import InfeasibleBudget, Plan, Problem, evaluate, min_peak_plan, store_all
+
+Solver = Callable[[Problem, int], Plan]
+
+
+def planning_solver(solver: str | Solver, cache: PlanCache | None) -> str | Solver:
+    """``solver`` answering from ``cache`` where it can, and agreed across ranks."""
+    if cache is not None:
+        solver = cache.solver(solver)
+    return agreeing(solver) if _ranks() > 1 else solver
+
+
+def agreeing(solver: str | Solver) -> Solver:
+    """``solver`` whose outcome is rank 0's wherever ranks' outcomes differ: its plan, or
+    its refusal (``InfeasibleBudget``), so every rank goes on alike."""
+    from remat.solvers.solve import solver_for
+
+    run = solver_for(solver)
+
+    def agreed(problem: Problem, limit: int) -> Plan:
+        plan, refusal = None, None
+        try:
+            plan = run(problem, limit)
+        except InfeasibleBudget as verdict:  # a refusal is an outcome: still compared
+            refusal = verdict
+        chosen = agree(problem, plan, limit)
+        if chosen is not None:
+            return chosen
+        raise refusal or InfeasibleBudget(
+            limit, min_peak_plan(problem).peak, store_all(problem).peak, problem.name,
+            note="Rank 0 found no plan under it, and every rank follows rank 0.",
+        )  # fmt: skip
+
+    agreed.__name__ = getattr(run, "__name__", "solver")
+    return agreed
+
+
+def agree(problem: Problem, plan: Plan | None, limit: int) -> Plan | None:
+    """``plan`` (None: refused) if every rank's is the same, else rank 0's, derived on this
+    rank's problem."""
+    mine = None if plan is None else (
+        sorted(plan.saved), list(plan.schedule.backward) if plan.ordered else None
+    )  # fmt: skip
+    with real_tensors():  # the planner runs inside a compile, under fake tensors
+        digests: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest(mine))
+        if len(set(digests)) == 1 or dist.get_rank() == 0:
+            if len(set(digests)) > 1:
+                dist.broadcast_object_list([_outcome(mine, plan)], src=0)
+            return plan
+        chosen = [None]
+        dist.broadcast_object_list(chosen, src=0)
+    decided, solver, status, bound = chosen[0]
+    if decided is None:
+        return None
+    saved, order = decided
+    return evaluate(
+        problem, saved, backward=order, solver=f"{solver} (rank 0's)", status=status,
+        budget=limit, bound=bound,
+    )  # fmt: skip
+
+
+def _outcome(mine, plan: Plan | None) -> tuple:
+    if plan is None:
+        return None, "", "", None
+    return mine, plan.solver, plan.status, plan.bound
+
+
+def _ranks() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

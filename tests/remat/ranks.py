@@ -1,0 +1,127 @@
+"""What each rank of the 2-rank tests runs (``test_distributed.py`` spawns it): a tiny GPT
+trained a few steps under remat with DDP or FSDP2 on gloo, each rank writing what it saw
+(plan hash, peaks, predicted peak, budget, gradients against a one-process reference) to
+a JSON file the test reads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import remat
+from remat import memory
+from remat.keys import digest
+from remat.solvers import greedy, min_peak_plan
+from remat.tools import examples
+
+# 1.5 MB of parameters, most in the (tied) embedding: dynamo's DDP optimizer wants buckets of
+# at least 1 MiB (DDP's first bucket), and this makes two of them
+SIZES = dict(layers=2, d_model=64, heads=2, seq=32, vocab=4096, dropout=0.0)
+BATCH = 4  # per rank
+STEPS = 4  # the first plans; peaks are measured from the second on
+
+
+def rank_dependent(problem, budget):
+    """Plans that differ by rank (rank 0: the greedy's; others: the lowest peak), as CP-SAT
+    out of time or the profile cost model may on real machines."""
+    if dist.get_rank() == 0:
+        return greedy(problem, budget)
+    return min_peak_plan(problem)
+
+
+def run(rank: int, world: int, init_file: str, out: str, case: str) -> None:
+    os.environ.setdefault("REMAT_CACHE", "0")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        result = CASES[case](rank, world)
+        Path(out, f"{case}-{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, the whole batch of all ranks (equal on every rank)."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, seq = SIZES["vocab"], SIZES["seq"]
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, vocab, (world * BATCH, seq + 1), generator=gen)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def _train(model, optimized, reference, rank: int, world: int, local_grad) -> dict:
+    """Train ``optimized`` (the parameters are ``model``'s) on this rank's slice of each
+    batch beside ``reference``, one process's copy, on the whole batch: peaks, and the
+    largest gradient difference at every step."""
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    peaks, diffs = [], []
+    for step, (x, y) in enumerate(_batches(world)):
+        model.zero_grad(set_to_none=True)
+        if step == 0:  # planned now: not inside a profiler, which hides kernels' scratch
+            optimized(x[mine], y[mine]).backward()
+        else:
+            measured = memory.peak(lambda x=x, y=y: optimized(x[mine], y[mine]).backward())
+            peaks.append(measured.peak_bytes)
+        reference.zero_grad(set_to_none=True)
+        reference(x, y).backward()
+        diffs.append(max(
+            (local_grad(p) - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ))  # fmt: skip
+        with torch.no_grad():  # one SGD step on both, so later steps see new weights
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                p.sub_(0.1 * p.grad)
+                q.sub_(0.1 * q.grad)
+    report = optimized.remat.report()
+    plans = [(s.graphs, s.programs, sorted(s.plan.saved)) for s in report.steps]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, digest(plans))
+    return {
+        "peaks": peaks,
+        "predicted": report.predicted_peak,
+        "budget": max(s.budget for s in report.steps),
+        "graphs": len(report.graphs),
+        "runs": report.steps[-1].runs,
+        "solvers": [s.plan.solver for s in report.steps],
+        "digests": everyone,
+        "grad_diffs": diffs,
+        "params": sum(q.numel() * q.element_size() for q in reference.parameters()),
+    }
+
+
+def ddp(rank: int, world: int, solver="auto") -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, _ = examples.load("gpt", batch=BATCH, **SIZES)
+    reference = copy.deepcopy(model)
+    # dynamo's DDP optimizer compiles one graph per bucket
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=1)
+    optimized = remat.optimize(wrapped, budget=0.9, solver=solver)
+    return _train(model, optimized, reference, rank, world, local_grad=lambda p: p.grad)
+
+
+def ddp_rank_dependent(rank: int, world: int) -> dict:
+    return ddp(rank, world, solver=rank_dependent)
+
+
+def fsdp2(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model, _ = examples.load("gpt", batch=BATCH, **SIZES)
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimized = remat.optimize(model, budget=0.9)
+    grad = lambda p: p.grad.full_tensor()  # noqa: E731
+    return _train(model, optimized, reference, rank, world, local_grad=grad)
+
+
+CASES = {"ddp": ddp, "ddp_rank_dependent": ddp_rank_dependent, "fsdp2": fsdp2}

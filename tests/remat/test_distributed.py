@@ -1,0 +1,86 @@
+"""Two ranks on gloo (CPU), spawned here: DDP and FSDP2 under remat plan alike on every
+rank, train on the gradients of one process on the whole batch, and keep the budget
+(``ranks.py`` is what each rank runs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ``ranks`` beside this file
+import ranks  # noqa: E402
+
+WORLD = 2
+TOLERANCE = 1e-5  # float32 sums in another order (gloo's all-reduce, DDP's buckets)
+# gloo's bookkeeping lands on the measured thread by timing (0-212 B in most runs, 8,200 B
+# once: tests/remat/test_steps.py::test_ddp_bucket_graphs_are_one_step)
+GLOO_NOISE = 16 * 1024
+
+
+def _spawn(case: str, tmp_path: Path) -> list[dict]:
+    mp.spawn(ranks.run, args=(WORLD, str(tmp_path / "init"), str(tmp_path), case),
+             nprocs=WORLD, join=True)  # fmt: skip
+    return [json.loads((tmp_path / f"{case}-{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_one_plan_reference_gradients_budget(tmp_path):
+    """DDP's bucket graphs are one step on each rank; every rank has the same plans; the
+    gradients are those of one process on both ranks' batches. The first step plans; at
+    the second DDP rebuilds its buckets, one gradient copy (the parameters' bytes) more;
+    from the third on each rank's measured peak is its prediction (which holds the
+    gradient copies gloo's all-reduce allocates) within the budget, but for gloo's own
+    bookkeeping, which lands on the measured thread by timing."""
+    results = _spawn("ddp", tmp_path)
+    for r in results:
+        assert r["graphs"] >= 2 and r["runs"] >= 2  # one graph per bucket
+        assert len(set(r["digests"])) == 1
+        assert max(r["grad_diffs"]) < TOLERANCE
+        rebuild, *later = r["peaks"]
+        assert 0 < rebuild - r["predicted"] <= r["params"] + GLOO_NOISE
+        assert r["predicted"] <= r["budget"]
+        for peak in later:  # the budget, but for gloo's bookkeeping
+            assert peak <= r["budget"] + GLOO_NOISE and abs(peak - r["predicted"]) <= GLOO_NOISE
+
+
+@pytest.mark.slow
+def test_ranks_that_plan_differently_take_rank_0s_plan(tmp_path):
+    """A solver whose plans differ by rank (as CP-SAT out of time may): each plan is
+    compared across ranks and rank 1 takes rank 0's, so the step plans' hashes agree."""
+    results = _spawn("ddp_rank_dependent", tmp_path)
+    assert len(set(results[0]["digests"])) == 1
+    assert all("rank 0's" in s for s in results[1]["solvers"])
+    assert not any("rank 0's" in s for s in results[0]["solvers"])
+    for r in results:
+        assert max(r["grad_diffs"]) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> list[dict]:
+    return _spawn("fsdp2", tmp_path_factory.mktemp("fsdp2"))
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_one_plan_reference_gradients(fsdp2):
+    """FSDP2 per block: the block graph runs once per block, planned as runs of one step,
+    the same plan on both ranks, with the gradients of one process on the whole batch."""
+    for r in fsdp2:
+        assert r["runs"] > r["graphs"]
+        assert len(set(r["digests"])) == 1
+        assert max(r["grad_diffs"]) < TOLERANCE
+    assert fsdp2[0]["digests"] == fsdp2[1]["digests"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="FSDP2's all-gathers and the root module's code run eagerly inside the compiled "
+    "forward, between remat's graphs, where remat does not measure (docs/pipelines.md)",
+)
+def test_fsdp2_two_ranks_keep_the_budget(fsdp2):
+    for r in fsdp2:
+        assert all(p <= r["budget"] for p in r["peaks"]), (r["peaks"], r["budget"])
