@@ -161,7 +161,10 @@ class ReversibleSequential(nn.Module):
             x = torch.cat([x, x], self.dim)
         self.blocks[0].halves(x)  # the clear error for an odd size, before the op
         random = [b.draws_random() for b in self.blocks]
-        y, _states = torch.ops.remat.reversible_forward(x, self._trainable(), self._key, random)
+        autocast = reversible_ops.autocast_dtype(x.device)
+        y, _states = torch.ops.remat.reversible_forward(
+            x, self._trainable(), self._key, random, autocast
+        )
         if self.duplicate:
             y1, y2 = y.chunk(2, self.dim)
             return (y1 + y2) / 2

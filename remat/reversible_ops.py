@@ -1,13 +1,14 @@
 """The two custom ops a ``remat.nn.ReversibleSequential`` runs as, and their autograd rule.
 
-``remat::reversible_forward(x, params, stack, random) -> (y, states)`` runs the stack
-without recording anything; ``states`` holds the generator states before f and before
-g of every block flagged in ``random`` (a CPU byte tensor, one row per state).
-``remat::reversible_backward(y, grad, states, params, stack, random)`` walks the blocks
-from the last: per block it runs g on y1 (under g's saved state) to get x2 = y2 - g(y1)
-and g's backward, then f on x2 for x1 = y1 - f(x2) and f's backward, so f and g run once
-each and only one block's activations are alive at a time. It returns the input's
-gradient, then the parameters'.
+``remat::reversible_forward(x, params, stack, random, autocast) -> (y, states)`` runs
+the stack without recording anything, under ``autocast``'s dtype ("" for none);
+``states`` holds the generator states before f and before g of every block flagged in
+``random`` (a CPU byte tensor, one row per state).
+``remat::reversible_backward(y, grad, states, params, stack, random, autocast)`` walks
+the blocks from the last, under the same autocast: per block it runs g on y1 (under g's
+saved state) to get x2 = y2 - g(y1) and g's backward, then f on x2 for x1 = y1 - f(x2)
+and f's backward, so f and g run once each and only one block's activations are alive
+at a time. It returns the input's gradient, then the parameters'.
 
 Being opaque ops, they are one node each in a traced graph, so dynamo, AOTAutograd and
 remat's planner neither inline the rebuild nor hold the stack's internals. The forward
@@ -30,7 +31,7 @@ from torch import nn
 from remat.costs.measured import VALID_INPUTS
 from remat.passes._torch_compat import autograd_in_kernel
 
-__all__ = ["register", "trainable"]
+__all__ = ["autocast_dtype", "register", "trainable"]
 
 _STACKS: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -89,6 +90,20 @@ def _state_size(device: torch.device) -> int:
     return torch.get_rng_state().numel() + cuda
 
 
+def autocast_dtype(device: torch.device) -> str:
+    """The autocast dtype in force for ``device`` ("" when off): the forward runs its
+    blocks under it and the backward rebuilds under the same, as checkpoint does."""
+    if not torch.is_autocast_enabled(device.type):
+        return ""
+    return str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+
+
+def _autocast(device: torch.device, dtype: str):
+    if not dtype:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
 def _forked(device: torch.device, enabled: bool):
     """Puts the generators back after a rebuild replayed the forward's states."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=enabled)
@@ -139,13 +154,13 @@ def _with_params(positions: dict[int, int], branch: nn.Module, params: list[torc
     "remat::reversible_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
 )
 def reversible_forward(
-    x: torch.Tensor, params: list[torch.Tensor], stack: str, random: list[bool]
+    x: torch.Tensor, params: list[torch.Tensor], stack: str, random: list[bool], autocast: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s = _stack(stack)
     positions = _positions(s)
     states: list[torch.Tensor] = []
     x1, x2 = s.blocks[0].halves(x)
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(x.device, autocast):
         for i, (block, draws) in enumerate(zip(s.blocks, random, strict=True)):
             f = _with_params(positions, block.f, params)
             g = _with_params(positions, block.g, params)
@@ -177,7 +192,7 @@ def _then_save(f, states: list[torch.Tensor], device: torch.device):
 
 
 @reversible_forward.register_fake
-def _(x, params, stack, random):
+def _(x, params, stack, random, autocast):
     rows = 2 * sum(random)
     return torch.empty_like(x), x.new_empty(
         (rows, _state_size(x.device)), dtype=torch.uint8, device="cpu"
@@ -192,6 +207,7 @@ def reversible_backward(
     params: list[torch.Tensor],
     stack: str,
     random: list[bool],
+    autocast: str,
 ) -> list[torch.Tensor]:
     s = _stack(stack)
     positions = _positions(s)
@@ -199,7 +215,7 @@ def reversible_backward(
     y1, y2 = s.blocks[0].halves(y)
     g1, g2 = s.blocks[0].halves(grad)
     saved = list(states.unbind(0))
-    with _forked(y.device, enabled=any(random)):
+    with _forked(y.device, enabled=any(random)), _autocast(y.device, autocast):
         for block, draws in zip(reversed(s.blocks), reversed(random), strict=True):
             state_g, state_f = (saved.pop(), saved.pop()) if draws else (None, None)
             y1, y2, g1, g2 = _unblock(
@@ -241,7 +257,7 @@ def _branch_backward(positions, branch, h, grad_out, params, grads, *, rebuild):
 
 
 @reversible_backward.register_fake
-def _(y, grad, states, params, stack, random):
+def _(y, grad, states, params, stack, random, autocast):
     return [torch.empty_like(y), *(torch.empty_like(p) for p in params)]
 
 
@@ -257,9 +273,9 @@ VALID_INPUTS["remat::reversible_backward"] = _valid_states
 
 
 def _setup(ctx, inputs, output) -> None:
-    _x, params, stack, random = inputs
+    _x, params, stack, random, autocast = inputs
     y, states = output
-    ctx.stack, ctx.random = stack, random
+    ctx.stack, ctx.random, ctx.autocast = stack, random, autocast
     ctx.save_for_backward(y, states, *params)
 
 
@@ -268,9 +284,9 @@ def _backward(ctx, grad_y, _grad_states):
     if grad_y is None:
         grad_y = torch.zeros_like(y)
     grad_x, *grad_params = torch.ops.remat.reversible_backward(
-        y, grad_y, states, params, ctx.stack, ctx.random
+        y, grad_y, states, params, ctx.stack, ctx.random, ctx.autocast
     )
-    return grad_x, grad_params, None, None
+    return grad_x, grad_params, None, None, None
 
 
 reversible_forward.register_autograd(_backward, setup_context=_setup)
