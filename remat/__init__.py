@@ -4,7 +4,7 @@
 >>> loss = model(x, y); loss.backward()
 """
 
-from remat import errors, memory
+from remat import errors, memory, nn
 from remat.api import PlanReport, RematBackend, backend, optimize, partitioner, plan
 from remat.config import configure
 from remat.errors import (
@@ -34,6 +34,7 @@ __all__ = [
     "configure",
     "errors",
     "memory",
+    "nn",
     "optimize",
     "partitioner",
     "plan",
