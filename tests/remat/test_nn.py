@@ -260,3 +260,30 @@ def test_coupling_splits_along_the_dim_it_is_given():
     y1 = x1 + block.f(x2)
     torch.testing.assert_close(block(x), torch.cat([y1, x2 + block.g(y1)]))
     torch.testing.assert_close(block.inverse(block(x)), x, rtol=0, atol=1e-6)
+
+
+class Doubled(nn.Module):
+    def forward(self, h):
+        return 2 * h
+
+
+class Halved(nn.Module):  # the same repr as Doubled's but for the name; other code
+    def forward(self, h):
+        return h / 2
+
+
+def test_the_ops_key_tells_stacks_apart_by_modules_and_code():
+    """The ops' stack argument is part of the traced graph, so of the plan cache's key
+    (remat.cache): it fingerprints the modules and their forward code, never equal for two
+    stacks whose kernels differ, equal (but for the handle) for equal ones."""
+
+    def fingerprint(*branches):
+        return ReversibleSequential(Coupling(*branches))._key.split(":")[1]
+
+    assert fingerprint(branch(), branch()) == fingerprint(branch(), branch())
+    assert fingerprint(branch(), branch()) != fingerprint(branch(p=0.5), branch())
+    Halved.__name__ = Halved.__qualname__ = "Doubled"  # now only the code differs
+    try:
+        assert fingerprint(Doubled(), Doubled()) != fingerprint(Halved(), Doubled())
+    finally:
+        Halved.__name__ = Halved.__qualname__ = "Halved"
