@@ -7,15 +7,15 @@ backward starts from the stack's output and, block by block from the last, rebui
 block's input and backpropagates through it (RevNet, Gomez et al. 2017; Reformer). Its
 activation memory does not grow with depth; the price is one more forward of f and g
 per block, and rounding: the rebuilt inputs differ from the true ones by float error
-that grows with depth (measured: docs/guide.md, "Reversible layers").
+that grows with depth (measured: docs/benchmarks.md, "Reversible layers").
 
 The stack runs as two custom ops, ``remat::reversible_forward`` and
 ``remat::reversible_backward``, so eagerly, under ``torch.compile`` and in remat's joint
 graph the stack is one forward node (holding the output and the generator states) and
 one backward node, whose scratch (one block's activations during the rebuild) the cost
 model measures like any kernel's. An op cannot take a module, so each stack registers
-itself under a key that the ops receive; its trainable parameters are
-passed as tensors, so the backward op returns their gradients.
+itself under a key that the ops receive; its trainable parameters are passed as
+tensors, so the backward op returns their gradients.
 
 Random ops (dropout) in f or g: the generator states (CPU, and the input's CUDA device)
 before f and before g of each block that draws are saved by the forward and restored
@@ -23,6 +23,7 @@ while rebuilding, so the backward sees the forward's masks, and the generator is
 back afterwards, as ``torch.utils.checkpoint`` does. A block draws if it holds a dropout
 module with p > 0 in training mode, or if ``preserve_rng_state=True``; a block that is
 not expected to draw but moves the generator raises instead of training on wrong masks.
+The backward also rebuilds under the autocast dtype the forward ran under.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Coupling(nn.Module):
         return y1, x2 + _kept_shape(g(y1), y1, "g")
 
     def halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x1, x2), views of ``x``; an odd size along ``dim`` is refused."""
         size = x.shape[self.dim]
         if size % 2:
             raise ValueError(
@@ -145,9 +147,9 @@ class ReversibleSequential(nn.Module):
         F_1..F_2n (Reformer's): couplings (F_1, F_2), (F_3, F_4), ... over two streams of
         the input's full shape (``duplicate``). Valid where there is an even number of
         branches, each keeping its input's shape. It is a different function from the
-        residual stack (F_2 reads x + F_1(x) there, y1 = x + F_1(x) here, but F_3 reads
-        the second stream, not the sum), equal only while every branch outputs zero: an
-        architecture to train, not a conversion of trained weights."""
+        residual stack (there F_3 reads the sum of everything before it, here only the
+        second stream), equal only while every branch outputs zero: an architecture to
+        train, not a conversion of trained weights."""
         if len(branches) == 0 or len(branches) % 2:
             raise ValueError(
                 f"from_residual pairs the branches into couplings (f, g): it needs an even "
@@ -163,16 +165,12 @@ class ReversibleSequential(nn.Module):
         random = [b.draws_random() for b in self.blocks]
         autocast = reversible_ops.autocast_dtype(x.device)
         y, _states = torch.ops.remat.reversible_forward(
-            x, self._trainable(), self._key, random, autocast
+            x, reversible_ops.trainable(self), self._key, random, autocast
         )
         if self.duplicate:
             y1, y2 = y.chunk(2, self.dim)
             return (y1 + y2) / 2
         return y
-
-    def _trainable(self) -> list[torch.Tensor]:
-        """The parameters the ops take (and return gradients for), in a fixed order."""
-        return reversible_ops.trainable(self)
 
     def _register(self) -> None:
         self._key = reversible_ops.register(self)
