@@ -77,3 +77,106 @@ def test_the_amp_example_trains():
     losses = [float(m) for m in re.findall(r"^step \d+: loss (\S+)$", out, re.M)]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
     assert "predicted peak" in out
+
+
+@pytest.mark.slow
+def test_hf_trainer_trains_an_optimized_model_within_the_budget_per_shape(tmp_path):
+    """``Trainer(model=remat.optimize(model, ...))``: batches of two shapes get a step plan
+    each; every step after a shape's first peaks within that shape's budget; the weights
+    trained are those eager training reaches."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_trainer
+
+    class Measured(Trainer):
+        """Peaks of each training step (forward, loss, backward) after its shape's first."""
+
+        peaks: dict = {}
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            shape = tuple(inputs["input_ids"].shape)
+            if shape not in self.peaks:
+                self.peaks[shape] = []
+                return super().training_step(model, inputs, num_items_in_batch)
+            m = memory.peak(super().training_step, model, inputs, num_items_in_batch)
+            self.peaks[shape].append(m.peak_bytes)
+            return m.result
+
+    def train(optimized: bool):
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=128,
+                            bos_token_id=0, eos_token_id=0)  # fmt: skip
+        model = GPT2LMHeadModel(config)
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=2, use_cpu=True,
+            report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
+        )  # fmt: skip
+        given = remat.optimize(model, budget=0.8) if optimized else model
+        trainer = Measured(model=given, args=args, train_dataset=hf_trainer.dataset(32),
+                           data_collator=hf_trainer.collate)  # fmt: skip
+        trainer.peaks = {}
+        trainer.train()
+        return model, given, trainer.peaks
+
+    eager, _, _ = train(optimized=False)
+    model, optimized, peaks = train(optimized=True)
+    report = optimized.remat.report()
+    assert len(peaks) == 2 and len(report.steps) == 2
+    budgets = dict(zip(peaks, (s.budget for s in report.steps), strict=True))  # first seen
+    for shape, measured in peaks.items():
+        assert measured and all(p <= budgets[shape] for p in measured), (shape, measured, budgets)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_example_trains(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_trainer
+
+    hf_trainer.main(["--steps", "2"])
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and re.search(r"shape planned in [0-9.]+s", out)
+
+
+@pytest.mark.slow
+def test_the_torchrun_ddp_example_trains():
+    """Two ranks under torchrun; rank 0 prints its losses and the step's plan."""
+    out = _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "examples/ddp_torchrun.py")  # fmt: skip
+    losses = [float(m) for m in re.findall(r"^step \d+: loss (\S+)$", out, re.M)]
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses)
+    assert "graph0, graph1" in out  # the bucket graphs, one step
+
+
+def test_options_come_from_the_call_configure_or_the_environment(monkeypatch):
+    """Where a pipeline gives remat no arguments (the Trainer, torch.compile's backend
+    name), ``remat.configure`` and ``REMAT_*`` variables do; the call wins over both."""
+    monkeypatch.delenv("REMAT_BUDGET", raising=False)
+    with pytest.raises(remat.InvalidOption, match="REMAT_BUDGET"):
+        remat.backend()
+    monkeypatch.setenv("REMAT_BUDGET", "0.5")
+    monkeypatch.setenv("REMAT_SOLVER", "greedy")
+    assert remat.backend().planner.budget == remat.Budget.parse(0.5)
+    assert remat.backend().planner.solver == "greedy"
+    try:
+        remat.configure(budget="3MiB", compiler="eager")
+        assert remat.backend().planner.budget == remat.Budget.parse("3MiB")
+        assert remat.backend(budget=0.9).planner.budget == remat.Budget.parse(0.9)
+        with pytest.raises(remat.InvalidOption, match="unknown options"):
+            remat.configure(budgett=1)
+    finally:
+        remat.configure(budget=None, compiler=None)
+    assert remat.backend().planner.budget == remat.Budget.parse(0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    monkeypatch.delenv("REMAT_BUDGET")
+    with pytest.raises(Exception) as refused:  # noqa: B017 (dynamo wraps it)
+        torch.compile(model, backend="remat", dynamic=False)(x)
+    assert isinstance(remat.errors.user_error(refused.value), remat.InvalidOption)
+    torch._dynamo.reset()
+    monkeypatch.setenv("REMAT_BUDGET", "1.0")
+    compiled = torch.compile(model, backend="remat", dynamic=False)  # no options: from env
+    compiled(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
