@@ -14,6 +14,7 @@ refused: a plan is for concrete shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -44,8 +45,7 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.budget import Budget, BudgetLike
-from remat.solvers.cpsat import cpsat
-from remat.solvers.solve import CPSAT_SOLVERS, Solver, auto, solver_for
+from remat.solvers.solve import CPSAT_SOLVERS, SOLVERS, Solver, solver_for
 
 log = logging.getLogger("remat")
 
@@ -59,6 +59,8 @@ class GraphPlan:
     store_all: Plan
     budget: int
     plan_seconds: float
+    # where ``plan_seconds`` went: "extract" (costs, kernels measured), "solve", "rewrite"
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     # dynamo's id of the compile that produced this graph (None outside dynamo)
     compile_id: CompileId | None = None
     # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
@@ -116,12 +118,20 @@ class Planner:
             "remat %s: %d identity clones dropped, %d dropouts replayed", name, dropped, replayed
         )
         extracted = self._extract(joint, num_fwd_outputs, name)
+        extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
         held = self.held_now()
         limit = self._graph_budget(baseline.peak, held)
         plan = self._first_plan(problem, limit, name, held)
+        solved_at = time.perf_counter()
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
+        done = time.perf_counter()
+        phases = {
+            "extract": extracted_at - start,
+            "solve": solved_at - extracted_at,
+            "rewrite": done - solved_at,
+        }
         fw.meta["remat"] = bw.meta["remat"] = name  # for ``steps.StepRunner``
         leaves, self.next_leaves = self.next_leaves, frozenset()
         record = GraphPlan(
@@ -130,7 +140,8 @@ class Planner:
             plan,
             baseline,
             limit,
-            plan_seconds=time.perf_counter() - start,
+            plan_seconds=done - start,
+            phase_seconds=phases,
             compile_id=compile_id,
             leaves=leaves,
         )
@@ -169,7 +180,7 @@ class Planner:
             return solve(problem, limit, self._cached(self.solver))
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
-            solver = functools.partial(auto if solver == "auto" else cpsat, probes=0)
+            solver = functools.partial(SOLVERS[solver], probes=0)
         try:
             return solve(problem, limit, self._cached(solver))
         except InfeasibleBudget:

@@ -1,0 +1,174 @@
+"""Planning a deep graph block by block: one saved pattern shared by its middle blocks.
+
+The optimum of a model that repeats one block N times saves nearly the same positions
+in every block (a 2,000-node, 8-layer Llama at 50%: two patterns that differ by one
+value; docs/solver-notes.md, "Repeated blocks"). So, with ``blocks.find_blocks``:
+
+1. the whole graph's linear relaxation (``linear_bound``), solved once: its bound is a
+   valid lower bound on every plan, so the reported gap is honest, and its answer
+   says, per position of a block, the share of middle blocks that save it;
+2. outside the middle blocks (blocks 0 and N - 1, the embedding, the head) the LP's
+   answer rounded; in the middle blocks a *pattern*, the positions saved most first:
+   the longest such pattern that fits, shared by every middle block;
+3. the next longer pattern, which overflows, given to as many blocks as still fit,
+   the lower blocks keeping the shorter one (bisection again), for each of the next
+   few positions by share: a plan between two patterns;
+4. beside them, each position saved by as many middle blocks as the LP's share says
+   (spread evenly), the saves it was least sure of dropped until the plan fits
+   (bisection): where the optimum mixes several patterns (a synthetic stack: eight).
+
+The full graph is only simulated: a few dozen times, against thousands for a search
+on every node. Where the graph has no repeated blocks, or no pattern fits, ``cpsat``
+on the whole graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .blocks import Blocks, find_blocks
+from .cpsat import cpsat
+from .heuristics import savable
+from .linear_bound import solve_lp
+from .plan import Plan, evaluate
+from .problem import Problem
+from .relaxation import Relaxation
+
+log = logging.getLogger("remat")
+
+NEXT_POSITIONS = 4  # positions tried as the one the longer pattern adds
+LP_SECONDS = 120.0  # wall-clock guard on the whole graph's LP
+
+
+def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
+    """The cheapest pattern plan that fits ``budget`` (see the module docstring), with
+    the whole graph's LP bound; ``cpsat`` (given ``cpsat_options``) where the graph
+    repeats no block, no pattern fits, or there is no budget."""
+    start = time.perf_counter()
+    blocks = find_blocks(problem) if budget is not None else None
+    if blocks is None:
+        return cpsat(problem, budget, **cpsat_options)
+    relax = Relaxation(problem, budget, exact=False)
+    lp = solve_lp(relax.model, LP_SECONDS)
+    if lp is None:
+        return cpsat(problem, budget, **cpsat_options)
+    values = {v: lp.value(var) for v, var in relax.s.items()}
+    best = _Patterns(problem, blocks, values, budget).best()
+    if best is None:  # the rounded outside overflows alone: the whole graph's search
+        return cpsat(problem, budget, **cpsat_options)
+    bound = min(lp.bound / relax.scale, best.recompute_cost)
+    closed = best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
+    log.info(
+        "remat %s: %d repeated blocks of %d nodes, one pattern each",
+        problem.name or "graph",
+        blocks.count,
+        len(blocks.members[0]),
+    )
+    return evaluate(
+        problem,
+        best.saved,
+        solver="repeated",
+        status="optimal" if closed else "feasible",
+        budget=budget,
+        bound=bound,
+        solve_seconds=time.perf_counter() - start,
+    )
+
+
+class _Patterns:
+    """Plans that give each middle block one pattern (positions it saves) and round the
+    LP's answer elsewhere; ``best`` the cheapest that fits."""
+
+    def __init__(self, problem: Problem, blocks: Blocks, values: dict, budget: int) -> None:
+        self.problem, self.blocks, self.budget = problem, blocks, budget
+        block_of, position_of = blocks.block_of, blocks.position_of
+        last = blocks.count - 1
+        self.middle = range(1, last)
+        self.fixed = frozenset(
+            v for v, x in values.items() if x >= 0.5 and not 0 < block_of.get(v, 0) < last
+        )
+        share: dict[int, float] = {}
+        movable = savable(problem)
+        for v, x in values.items():
+            if 0 < block_of.get(v, 0) < last and v in movable:
+                q = position_of[v]
+                share[q] = share.get(q, 0.0) + x / len(self.middle)
+        # positions by share, most saved first; those no middle block saves left out
+        self.share = share
+        self.order = sorted((q for q, x in share.items() if x > 0), key=lambda q: (-share[q], q))
+        self.fits: list[Plan] = []
+
+    def plan(self, patterns: list) -> Plan:
+        """The plan giving middle block ``k`` the pattern ``patterns[k - 1]``."""
+        members = self.blocks.members
+        saved = set(self.fixed)
+        for k, pattern in zip(self.middle, patterns, strict=True):
+            saved.update(members[k][q] for q in pattern)
+        plan = evaluate(self.problem, saved, solver="repeated")
+        if plan.peak <= self.budget:
+            self.fits.append(plan)
+        return plan
+
+    def uniform(self, pattern: frozenset[int]) -> Plan:
+        return self.plan([pattern] * len(self.middle))
+
+    def best(self) -> Plan | None:
+        self._shares()
+        longest = self._longest_uniform()
+        if longest is not None:
+            for q in self.order[longest : longest + NEXT_POSITIONS]:
+                short = frozenset(self.order[:longest])
+                self._mixed(short, short | {q})
+        return min(self.fits, key=lambda p: (p.recompute_cost, p.peak), default=None)
+
+    def _shares(self) -> None:
+        """Each position saved by as many middle blocks as its LP share says (spread
+        evenly); where that overflows, the saves the LP was least sure of (lowest share,
+        then least recompute time per byte) dropped, as few as fit (bisection)."""
+        n, members, nodes = len(self.middle), self.blocks.members, self.problem.nodes
+        units = []  # (share, seconds per byte, middle index, position)
+        for q, share in self.share.items():
+            count = max(0, min(n, round(share * n)))
+            node = nodes[members[1][q]]
+            per_byte = node.cost / (node.bytes + 1)
+            spread = [m for m in range(n) if (m + 1) * count // n > m * count // n]
+            units += [(share, per_byte, m, q) for m in spread]
+        units.sort()
+
+        def dropping(k: int) -> Plan:
+            patterns: list[set[int]] = [set() for _ in self.middle]
+            for _, _, m, q in units[k:]:
+                patterns[m].add(q)
+            return self.plan(patterns)
+
+        if dropping(0).peak <= self.budget:
+            return
+        low, high = 0, len(units)  # dropping ``low`` overflows, dropping all may fit
+        while high - low > 1:
+            mid = (low + high) // 2
+            if dropping(mid).peak <= self.budget:
+                high = mid
+            else:
+                low = mid
+
+    def _longest_uniform(self) -> int | None:
+        """The most positions (a prefix of ``order``) a uniform pattern saves and fits.
+        Scanned from the longest down: saving too little peaks high too (the backward
+        rebuilds long chains at once), so the peak is not monotone in the length."""
+        for length in range(len(self.order), -1, -1):
+            if self.uniform(frozenset(self.order[:length])).peak <= self.budget:
+                return length
+        return None
+
+    def _mixed(self, short: frozenset[int], long: frozenset[int]) -> None:
+        """The fewest lower middle blocks on the ``short`` pattern, the rest on ``long``,
+        that fit (bisection over how many)."""
+        n = len(self.middle)
+        low, high = 0, n  # ``high`` blocks on short fits (the uniform short plan)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.plan([short] * mid + [long] * (n - mid)).peak <= self.budget:
+                high = mid
+            else:
+                low = mid

@@ -1,0 +1,101 @@
+"""Repeated blocks found from the graph, and the pattern solver built on them."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+
+from remat.solvers import Problem, solve, store_all
+from remat.solvers.blocks import find_blocks
+from remat.solvers.cpsat import cpsat
+from remat.solvers.repeated import repeated
+from remat.solvers.synthetic import chain, layered, random_joint
+
+solve_module = importlib.import_module(
+    "remat.solvers.solve"
+)  # the package's ``solve`` is the function
+NODES_PER_LAYER = 44  # synthetic.layered: len(layered(k)) == 44 * k + 5
+
+
+@pytest.mark.parametrize("layers", [6, 12])
+def test_a_stack_of_layers_has_one_block_per_layer(layers):
+    problem = layered(layers)
+    blocks = find_blocks(problem)
+    assert blocks is not None and blocks.count == layers
+    assert {len(m) for m in blocks.members} == {NODES_PER_LAYER}
+    every = [i for m in blocks.members for i in m]
+    assert len(set(every)) == len(every)  # no node in two blocks
+    # each block holds one layer's forward nodes and their backward
+    for members in blocks.members:
+        forward = {problem.nodes[i].name.split(".")[0] for i in members if i < len(problem) // 2}
+        assert len(forward) <= 2  # a block may start inside a layer, the same way each time
+
+
+def test_a_block_that_reads_elsewhere_breaks_the_repetition():
+    problem = layered(8)
+    blocks = find_blocks(problem)
+    middle = blocks.members[4]
+    reader = next(i for i in middle if len(problem.nodes[i].inputs) == 2)
+    farther = blocks.members[1][0]  # a read three blocks back, which no other block makes
+    nodes = list(problem.nodes)
+    node = nodes[reader]
+    nodes[reader] = dataclasses.replace(node, inputs=(node.inputs[0], farther))
+    rewired = Problem(tuple(nodes), problem.outputs, problem.grads, problem.resident_bytes)
+    assert find_blocks(rewired) is None
+
+
+@pytest.mark.parametrize("problem", [random_joint(60, seed=3), chain(3)], ids=["random", "short"])
+def test_graphs_without_repeated_blocks_are_planned_by_cpsat(problem):
+    assert find_blocks(problem) is None
+    budget = store_all(problem).peak * 9 // 10
+    assert repeated(problem, budget).solver == "cpsat"
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+def test_pattern_plans_fit_and_their_bound_is_below_any_plan(fraction):
+    problem = layered(12)
+    budget = int(store_all(problem).peak * fraction)
+    plan = solve(problem, budget, "repeated")  # checked: derived again and simulated
+    assert plan.solver == "repeated" and plan.peak <= budget
+    # the LP bound is a lower bound: no plan that fits costs less, CP-SAT's included
+    other = cpsat(problem, budget)
+    assert plan.bound <= other.recompute_cost + 1e-12
+    assert plan.bound <= plan.recompute_cost
+
+
+def test_where_no_pattern_fits_cpsat_plans_the_whole_graph():
+    problem = layered(12)
+    budget = int(store_all(problem).peak * 0.3)  # ten middle blocks: the edges weigh
+    plan = repeated(problem, budget)
+    assert plan.solver == "cpsat" and plan.peak <= budget
+
+
+def test_middle_blocks_share_their_saved_positions():
+    problem = layered(12)
+    budget = int(store_all(problem).peak * 0.5)
+    plan = repeated(problem, budget)
+    blocks = find_blocks(problem)
+    position_of = blocks.position_of
+    saved_positions = [
+        {position_of[i] for i in members if i in plan.saved} for members in blocks.members[1:-1]
+    ]
+    # a pattern and a longer one, or the LP's shares: a few distinct patterns, not ten
+    assert len({frozenset(p) for p in saved_positions}) <= len(saved_positions) // 2
+
+
+def test_auto_plans_large_graphs_by_pattern(monkeypatch):
+    problem = layered(12)
+    budget = int(store_all(problem).peak * 0.5)
+    assert solve(problem, budget).solver == "cpsat"  # below REPEATED_MIN_NODES
+    monkeypatch.setattr(solve_module, "REPEATED_MIN_NODES", len(problem))
+    assert solve(problem, budget).solver == "repeated"
+
+
+def test_a_budget_no_pattern_meets_is_refused_with_the_minimum():
+    problem = layered(12)
+    with pytest.raises(Exception) as refusal:
+        repeated(problem, store_all(problem).peak // 50)
+    assert type(refusal.value).__name__ == "InfeasibleBudget"
+    assert refusal.value.minimum > store_all(problem).peak // 50
