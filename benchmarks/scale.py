@@ -9,9 +9,9 @@ the built-in ``gpt`` at GPT-2 small's sizes (``--model gpt``), twice from a fres
 - **torch**: AOTAutograd with ``min_cut_rematerialization_partition`` at
   ``activation_memory_budget`` = the row's budget (a fraction of what torch estimates);
   "partition s" is that call.
-- **remat**: ``remat.optimize(model, budget=fraction)`` (a fraction of the store-all
-  peak); "extract s" (costs, each distinct kernel measured), "solve s", "rewrite s" from
-  the plan's report.
+- **remat**: ``remat.optimize(model, budget=fraction, cache=False)`` (a fraction of the
+  store-all peak; no plan cache, so each row plans); "extract s" (costs, each distinct
+  kernel measured), "solve s", "rewrite s" from the plan's report.
 
 Both compile their programs as plain fx ("eager"), so "first step s" (trace, plan or
 partition, and one forward and backward) differs by what each planner does. "gap" is
@@ -32,7 +32,12 @@ from _output import write_rows
 from tabulate import tabulate
 
 import remat
-from remat.passes._torch_compat import aot_autograd, compile_caches_off, min_cut_partition
+from remat.passes._torch_compat import (
+    aot_autograd,
+    boxed,
+    compile_caches_off,
+    min_cut_partition,
+)
 from remat.tools import examples
 
 LLAMA = dict(d_model=128, heads=4, kv_heads=2, seq=128, batch=2)
@@ -62,13 +67,13 @@ def torch_row(model, inputs, budget: float) -> dict:
         partitions.append((time.perf_counter() - start, nodes))
         return out
 
-    def plain(gm, _inputs):
-        return gm
+    def plain(gm, _inputs):  # fx run as Python, as remat's eager compiler does
+        return boxed(gm)
 
     torch.compiler.reset()
     backend = aot_autograd(fw_compiler=plain, bw_compiler=plain, partition_fn=timed_partition)
     with compile_caches_off(budget):
-        seconds = first_step(torch.compile(model, backend=backend), inputs)
+        seconds = first_step(torch.compile(model, backend=backend, dynamic=False), inputs)
     return {
         "joint nodes": sum(n for _, n in partitions),
         "partition s": sum(s for s, _ in partitions),
@@ -78,7 +83,7 @@ def torch_row(model, inputs, budget: float) -> dict:
 
 def remat_row(model, inputs, budget: float, save: Path | None, tag: str) -> dict:
     torch.compiler.reset()
-    optimized = remat.optimize(model, budget=budget)
+    optimized = remat.optimize(model, budget=budget, cache=False)  # plan, not reread
     seconds = first_step(optimized, inputs)
     graphs = optimized.remat.report().graphs
     phase = {k: sum(g.phase_seconds[k] for g in graphs) for k in ("extract", "solve", "rewrite")}

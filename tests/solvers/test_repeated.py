@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import oracle
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from remat.solvers import Problem, solve, store_all
+from remat.solvers import InfeasibleBudget, Problem, solve, store_all
 from remat.solvers.blocks import find_blocks
 from remat.solvers.cpsat import cpsat
 from remat.solvers.repeated import repeated
@@ -95,7 +98,27 @@ def test_auto_plans_large_graphs_by_pattern(monkeypatch):
 
 def test_a_budget_no_pattern_meets_is_refused_with_the_minimum():
     problem = layered(12)
-    with pytest.raises(Exception) as refusal:
+    with pytest.raises(InfeasibleBudget) as refusal:
         repeated(problem, store_all(problem).peak // 50)
-    assert type(refusal.value).__name__ == "InfeasibleBudget"
     assert refusal.value.minimum > store_all(problem).peak // 50
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    layers=st.integers(4, 9),
+    width=st.sampled_from([64, 128, 256]),
+    seq=st.sampled_from([64, 128]),
+    fraction=st.floats(0.3, 0.95),
+)
+def test_pattern_plans_on_random_stacks_are_valid_and_fit(layers, width, seq, fraction):
+    problem = layered(layers, width=width, seq=seq)
+    budget = int(store_all(problem).peak * fraction)
+    try:
+        plan = repeated(problem, budget, time_limit=0.5)
+    except InfeasibleBudget as refusal:
+        assert refusal.minimum > budget
+        return
+    assert plan.peak <= budget
+    oracle.check(problem, plan.schedule, plan.timeline)  # an independent re-derivation
+    if plan.solver == "repeated":
+        assert plan.bound is not None and plan.bound <= plan.recompute_cost
