@@ -1,8 +1,8 @@
 """Planning a deep graph block by block: one saved pattern shared by its middle blocks.
 
 The optimum of a model that repeats one block N times saves nearly the same positions
-in every block (a 2,000-node, 8-layer Llama at 50%: two patterns that differ by one
-value; docs/solver-notes.md, "Repeated blocks"). So, with ``blocks.find_blocks``:
+in every block (docs/solver-notes.md, "Repeated blocks"). So, with
+``blocks.find_blocks``:
 
 1. the whole graph's linear relaxation (``linear_bound``), solved once: its bound is a
    valid lower bound on every plan, so the reported gap is honest, and its answer
@@ -15,7 +15,7 @@ value; docs/solver-notes.md, "Repeated blocks"). So, with ``blocks.find_blocks``
    few positions by share: a plan between two patterns;
 4. beside them, each position saved by as many middle blocks as the LP's share says
    (spread evenly), the saves it was least sure of dropped until the plan fits
-   (bisection): where the optimum mixes several patterns (a synthetic stack: eight).
+   (bisection): where the optimum mixes several patterns.
 
 The full graph is only simulated: a few dozen times, against thousands for a search
 on every node. Where the graph has no repeated blocks, or no pattern fits, ``cpsat``
