@@ -27,15 +27,21 @@ def _spawn(case: str, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"{case}-{r}.json").read_text()) for r in range(WORLD)]
 
 
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> list[dict]:
+    """Per rank: ``{"auto": ..., "rank_dependent": ...}``, the two DDP runs (``ranks.ddp``)."""
+    return _spawn("ddp", tmp_path_factory.mktemp("ddp"))
+
+
 @pytest.mark.slow
-def test_ddp_two_ranks_one_plan_reference_gradients_budget(tmp_path):
+def test_ddp_two_ranks_one_plan_reference_gradients_budget(ddp):
     """DDP's bucket graphs are one step on each rank; every rank has the same plans; the
     gradients are those of one process on both ranks' batches. The first step plans; at
     the second DDP rebuilds its buckets, one gradient copy (the parameters' bytes) more;
     from the third on each rank's measured peak is its prediction (which holds the
     gradient copies gloo's all-reduce allocates) within the budget, but for gloo's own
     bookkeeping, which lands on the measured thread by timing."""
-    results = _spawn("ddp", tmp_path)
+    results = [r["auto"] for r in ddp]
     for r in results:
         assert r["graphs"] >= 2 and r["runs"] >= 2  # one graph per bucket
         assert len(set(r["digests"])) == 1
@@ -48,10 +54,10 @@ def test_ddp_two_ranks_one_plan_reference_gradients_budget(tmp_path):
 
 
 @pytest.mark.slow
-def test_ranks_that_plan_differently_take_rank_0s_plan(tmp_path):
+def test_ranks_that_plan_differently_take_rank_0s_plan(ddp):
     """A solver whose plans differ by rank (as CP-SAT out of time may): each plan is
     compared across ranks and rank 1 takes rank 0's, so the step plans' hashes agree."""
-    results = _spawn("ddp_rank_dependent", tmp_path)
+    results = [r["rank_dependent"] for r in ddp]
     assert len(set(results[0]["digests"])) == 1
     assert all("rank 0's" in s for s in results[1]["solvers"])
     assert not any("rank 0's" in s for s in results[0]["solvers"])

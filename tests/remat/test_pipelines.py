@@ -109,7 +109,7 @@ def test_hf_trainer_trains_an_optimized_model_within_the_budget_per_shape(tmp_pa
                             bos_token_id=0, eos_token_id=0)  # fmt: skip
         model = GPT2LMHeadModel(config)
         args = TrainingArguments(
-            output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=2, use_cpu=True,
+            output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, use_cpu=True,
             report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
         )  # fmt: skip
         given = remat.optimize(model, budget=0.8) if optimized else model
