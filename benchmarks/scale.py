@@ -127,7 +127,10 @@ def main(argv=None) -> int:
                 row |= {f"torch {k}": v for k, v in t.items()}
             if args.only != "torch":
                 tag = f"{args.model}{layers}-{budget}"
-                r = remat_row(model, inputs, budget, args.save_problems, tag)
+                try:
+                    r = remat_row(model, inputs, budget, args.save_problems, tag)
+                except remat.InfeasibleBudget as refusal:  # no plan fits: say so, go on
+                    r = {"refused": f"minimum {refusal.minimum / refusal.store_all:.3f}"}
                 row |= {f"remat {k}": v for k, v in r.items()}
             rows.append(row)
             print(tabulate([row], headers="keys", floatfmt=".3g"), flush=True)
