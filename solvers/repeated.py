@@ -14,8 +14,9 @@ in every block (docs/solver-notes.md, "Repeated blocks"). So, with
    the lower blocks keeping the shorter one (bisection again), for each of the next
    few positions by share: a plan between two patterns;
 4. beside them, each position saved by as many middle blocks as the LP's share says
-   (spread evenly), the saves it was least sure of dropped until the plan fits
-   (bisection): where the optimum mixes several patterns.
+   (spread evenly), and the LP's answer rounded node by node, each with the saves the
+   LP was least sure of dropped until the plan fits (bisection): where the optimum
+   mixes several patterns, or the blocks' edges weigh.
 
 The full graph is only simulated: a few dozen times, against thousands for a search
 on every node. Where the graph has no repeated blocks, or no pattern fits, ``cpsat``
@@ -95,9 +96,16 @@ class _Patterns:
                 q = position_of[v]
                 share[q] = share.get(q, 0.0) + x / len(self.middle)
         # positions by share, most saved first; those no middle block saves left out
-        self.share = share
+        self.values, self.share = values, share
         self.order = sorted((q for q, x in share.items() if x > 0), key=lambda q: (-share[q], q))
         self.fits: list[Plan] = []
+
+    def saving(self, saved) -> Plan:
+        """The plan saving ``saved``, kept among the candidates if it fits."""
+        plan = evaluate(self.problem, saved, solver="repeated")
+        if plan.peak <= self.budget:
+            self.fits.append(plan)
+        return plan
 
     def plan(self, patterns: list) -> Plan:
         """The plan giving middle block ``k`` the pattern ``patterns[k - 1]``."""
@@ -105,16 +113,14 @@ class _Patterns:
         saved = set(self.fixed)
         for k, pattern in zip(self.middle, patterns, strict=True):
             saved.update(members[k][q] for q in pattern)
-        plan = evaluate(self.problem, saved, solver="repeated")
-        if plan.peak <= self.budget:
-            self.fits.append(plan)
-        return plan
+        return self.saving(saved)
 
     def uniform(self, pattern: frozenset[int]) -> Plan:
         return self.plan([pattern] * len(self.middle))
 
     def best(self) -> Plan | None:
-        self._shares()
+        self._least_sure_dropped(self._rounded())
+        self._least_sure_dropped(self._shares())
         longest = self._longest_uniform()
         if longest is not None:
             for q in self.order[longest : longest + NEXT_POSITIONS]:
@@ -122,25 +128,36 @@ class _Patterns:
                 self._mixed(short, short | {q})
         return min(self.fits, key=lambda p: (p.recompute_cost, p.peak), default=None)
 
-    def _shares(self) -> None:
+    def _rounded(self) -> list[tuple]:
+        """The LP's answer rounded, node by node, as ``(value, seconds per byte, node)``."""
+        nodes, movable = self.problem.nodes, savable(self.problem)
+        return [
+            (x, nodes[v].cost / (nodes[v].bytes + 1), v)
+            for v, x in self.values.items()
+            if x >= 0.5 and v in movable
+        ]
+
+    def _shares(self) -> list[tuple]:
         """Each position saved by as many middle blocks as its LP share says (spread
-        evenly); where that overflows, the saves the LP was least sure of (lowest share,
-        then least recompute time per byte) dropped, as few as fit (bisection)."""
+        evenly), beside the rounded answer outside them, as ``_rounded`` lists it."""
         n, members, nodes = len(self.middle), self.blocks.members, self.problem.nodes
-        units = []  # (share, seconds per byte, middle index, position)
+        units = [(1.0, 0.0, v) for v in self.fixed]  # kept: dropped last
         for q, share in self.share.items():
             count = max(0, min(n, round(share * n)))
-            node = nodes[members[1][q]]
-            per_byte = node.cost / (node.bytes + 1)
             spread = [m for m in range(n) if (m + 1) * count // n > m * count // n]
-            units += [(share, per_byte, m, q) for m in spread]
-        units.sort()
+            for m in spread:
+                v = members[m + 1][q]
+                units.append((share, nodes[v].cost / (nodes[v].bytes + 1), v))
+        return units
+
+    def _least_sure_dropped(self, units: list[tuple]) -> None:
+        """The plan saving every node of ``units``; where it overflows, the saves the LP
+        was least sure of (lowest value, then least recompute time per byte) dropped, as
+        few as fit (bisection)."""
+        units = sorted(units)
 
         def dropping(k: int) -> Plan:
-            patterns: list[set[int]] = [set() for _ in self.middle]
-            for _, _, m, q in units[k:]:
-                patterns[m].add(q)
-            return self.plan(patterns)
+            return self.saving(v for _, _, v in units[k:])
 
         if dropping(0).peak <= self.budget:
             return
