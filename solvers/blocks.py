@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -32,11 +33,11 @@ class Blocks:
     def count(self) -> int:
         return len(self.members)
 
-    @property
+    @cached_property
     def block_of(self) -> dict[int, int]:
         return {i: k for k, nodes in enumerate(self.members) for i in nodes}
 
-    @property
+    @cached_property
     def position_of(self) -> dict[int, int]:
         return {i: q for nodes in self.members for q, i in enumerate(nodes)}
 

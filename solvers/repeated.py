@@ -56,12 +56,12 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
         return cpsat(problem, budget, **cpsat_options)
     values = {v: lp.value(var) for v, var in relax.s.items()}
     best = _Patterns(problem, blocks, values, budget).best()
-    if best is None:  # the rounded outside overflows alone: the whole graph's search
+    if best is None:  # no candidate fits: the whole graph's search
         return cpsat(problem, budget, **cpsat_options)
     bound = min(lp.bound / relax.scale, best.recompute_cost)
     closed = best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
     log.info(
-        "remat %s: %d repeated blocks of %d nodes, one pattern each",
+        "remat %s: %d repeated blocks of %d nodes, planned by pattern",
         problem.name or "graph",
         blocks.count,
         len(blocks.members[0]),
@@ -78,8 +78,8 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
 
 
 class _Patterns:
-    """Plans that give each middle block one pattern (positions it saves) and round the
-    LP's answer elsewhere; ``best`` the cheapest that fits."""
+    """Candidate plans read off the LP's answer (the module docstring's families), each
+    simulated on the full graph; ``best`` the cheapest that fits."""
 
     def __init__(self, problem: Problem, blocks: Blocks, values: dict, budget: int) -> None:
         self.problem, self.blocks, self.budget = problem, blocks, budget
