@@ -49,7 +49,7 @@ from ortools.sat.python import cp_model
 from .errors import InfeasibleBudget
 from .heuristics import descend, fill, greedy
 from .linear_bound import solve_lp
-from .plan import Plan, evaluate, format_bytes
+from .plan import Plan, evaluate, format_bytes, with_bound
 from .problem import Problem
 from .relaxation import Relaxation
 
@@ -191,16 +191,9 @@ def cpsat(
             )
         minimum = _lowest_fitting(budget, r.minimum, retry, probes)
         raise InfeasibleBudget(r.budget, minimum, r.store_all, problem.name, search.proven)
-    bound = min(search.bound, best.recompute_cost)
-    closed = search.proven or best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
-    return evaluate(
-        problem,
-        best.saved,
-        solver="cpsat",
-        status="optimal" if closed else "feasible",
-        budget=budget,
-        bound=bound,
-        solve_seconds=time.perf_counter() - start,
+    seconds = time.perf_counter() - start
+    return with_bound(
+        best, search.bound, solver="cpsat", budget=budget, seconds=seconds, proven=search.proven
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .problem import Problem
 from .schedule import Schedule, schedule
@@ -87,6 +87,24 @@ def evaluate(
         bound=bound,
         solve_seconds=solve_seconds,
         ordered=backward is not None,
+    )
+
+
+def with_bound(
+    plan: Plan, bound: float, *, solver: str, budget: int, seconds: float, proven: bool = False
+) -> Plan:
+    """``plan`` as a solver that proved ``bound`` (a lower bound on every plan's cost) returns
+    it: the bound capped at the plan's cost; ``optimal`` where ``proven`` or the bound meets
+    the cost (to rounding), else ``feasible``."""
+    bound = min(bound, plan.recompute_cost)
+    closed = proven or plan.recompute_cost - bound <= 1e-9 * max(1.0, bound)
+    return replace(
+        plan,
+        solver=solver,
+        status="optimal" if closed else "feasible",
+        budget=budget,
+        bound=bound,
+        solve_seconds=seconds,
     )
 
 

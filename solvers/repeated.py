@@ -32,7 +32,7 @@ from .blocks import Blocks, find_blocks
 from .cpsat import cpsat
 from .heuristics import savable
 from .linear_bound import solve_lp
-from .plan import Plan, evaluate
+from .plan import Plan, evaluate, with_bound
 from .problem import Problem
 from .relaxation import Relaxation
 
@@ -58,22 +58,15 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
     best = _Patterns(problem, blocks, values, budget).best()
     if best is None:  # no candidate fits: the whole graph's search
         return cpsat(problem, budget, **cpsat_options)
-    bound = min(lp.bound / relax.scale, best.recompute_cost)
-    closed = best.recompute_cost - bound <= 1e-9 * max(1.0, bound)
     log.info(
         "remat %s: %d repeated blocks of %d nodes, planned by pattern",
         problem.name or "graph",
         blocks.count,
         len(blocks.members[0]),
     )
-    return evaluate(
-        problem,
-        best.saved,
-        solver="repeated",
-        status="optimal" if closed else "feasible",
-        budget=budget,
-        bound=bound,
-        solve_seconds=time.perf_counter() - start,
+    seconds = time.perf_counter() - start
+    return with_bound(
+        best, lp.bound / relax.scale, solver="repeated", budget=budget, seconds=seconds
     )
 
 
