@@ -33,11 +33,9 @@ def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
     (``time_limit``, ``probes``)."""
     from . import cpsat as module  # the module's function, so tests can watch it
 
-    large = len(problem) >= REPEATED_MIN_NODES
+    run = repeated if len(problem) >= REPEATED_MIN_NODES else module.cpsat
     try:
-        if large:
-            return repeated(problem, budget, **cpsat_options)
-        return module.cpsat(problem, budget, **cpsat_options)
+        return run(problem, budget, **cpsat_options)
     except InfeasibleBudget as refusal:
         low = lowest_chain_peak(problem)
         if low is None or low.peak >= refusal.minimum:
@@ -47,9 +45,9 @@ def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
         return revolve(problem, budget)
 
 
-# From this size ``auto`` plans repeated blocks by pattern: a deep Llama's plan in a
-# fifth of CP-SAT's time and cheaper, where on smaller graphs CP-SAT proves optima in
-# seconds (see docs/solver-notes.md, "Repeated blocks").
+# From this size ``auto`` plans repeated blocks by pattern: faster than CP-SAT on the
+# whole graph and no costlier there, where below it CP-SAT proves optima in seconds
+# (see docs/solver-notes.md, "Repeated blocks").
 REPEATED_MIN_NODES = 5_000
 
 CPSAT_SOLVERS = ("auto", "cpsat", "repeated")  # the names that run CP-SAT, so take its time limit
