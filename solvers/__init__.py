@@ -7,7 +7,7 @@ and reusable outside PyTorch.
 from .budget import Budget, BudgetLike
 from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
-from .plan import Plan, evaluate, format_bytes, held_bytes, saved_bytes
+from .plan import Plan, evaluate, format_bytes, held_bytes, saved_bytes, step_seconds
 from .problem import Node, Problem
 from .schedule import InvalidPlan, Schedule, schedule
 from .simulate import Timeline, simulate
@@ -37,6 +37,7 @@ __all__ = [
     "simulate",
     "solve",
     "solver_for",
+    "step_seconds",
     "SolverOverBudget",
     "store_all",
 ]

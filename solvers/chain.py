@@ -382,7 +382,7 @@ def lowest_chain_peak(problem: Problem) -> Plan | None:
     slots = range(1, 3) if chain.length <= LOWEST_ONE_SLOT else range(2, 3)
     plans = [chain_plan(chain, table.actions(s), solver="revolve", budget=None)
              for s in slots if s <= table.max_slots]  # fmt: skip
-    return min(plans, key=lambda p: (p.peak, p.recompute_cost))
+    return min(plans, key=lambda p: (p.peak, p.cost))
 
 
 def _chain_or_refuse(problem: Problem, solver: str) -> Chain:
@@ -405,5 +405,5 @@ def _pick(problem: Problem, plans: list[Plan], budget: int | None, start: float)
     if not fitting:
         low = min(p.peak for p in plans)
         raise InfeasibleBudget(budget, low, store_all(problem).peak, problem.name)
-    best = min(fitting, key=lambda p: (p.recompute_cost, p.peak))
+    best = min(fitting, key=lambda p: (p.cost, p.peak))
     return replace(best, solve_seconds=time.perf_counter() - start)

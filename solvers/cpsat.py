@@ -211,7 +211,7 @@ class _Search:
         """The incumbent is proven within ``gap_limit`` of the optimum."""
         if self.best is None or self.gap_limit <= 0:
             return False
-        return self.best.recompute_cost - self.bound <= self.gap_limit * self.best.recompute_cost
+        return self.best.cost - self.bound <= self.gap_limit * self.best.cost
 
     def offer(self, plan: Plan, polished: bool = False) -> None:
         if plan.peak <= self.budget and (self.best is None or _key(plan) < _key(self.best)):
@@ -252,7 +252,7 @@ class _Search:
         with interleaved workers, hence the relaxation only."""
         if self.best is None or self.gap_limit <= 0:
             return
-        enough = (1 - self.gap_limit) * self.best.recompute_cost * scale
+        enough = (1 - self.gap_limit) * self.best.cost * scale
 
         def on_bound(bound: float) -> None:
             if bound >= enough:
@@ -283,7 +283,7 @@ class _Search:
             if answer.peak <= self.budget:
                 if status == cp_model.OPTIMAL:
                     self.proven = True  # nothing is cheaper, and it fits
-                    self.bound = max(self.bound, answer.recompute_cost)
+                    self.bound = max(self.bound, answer.cost)
                 return spent
             if not self.close_enough:  # else a repair could save under gap_limit
                 self.offer(self.repair(answer), polished=True)
@@ -306,14 +306,14 @@ class _Search:
                 # every plan fitting the budget satisfies the model and its cuts
                 self.proven = True
                 if self.best is not None:
-                    self.bound = self.best.recompute_cost
+                    self.bound = self.best.cost
                 return
             if answer is None:
                 return  # out of time before any solution
             if answer.peak <= self.budget:
                 if status == cp_model.OPTIMAL:
                     self.proven = True
-                    self.bound = max(self.bound, answer.recompute_cost)
+                    self.bound = max(self.bound, answer.cost)
                 return
             _cut(relax, answer)
             self.offer(self.repair(answer), polished=True)
@@ -394,7 +394,7 @@ def _cut(relax: Relaxation, plan: Plan, *, weakest: bool = True) -> None:
 def _key(plan: Plan) -> tuple:
     """Cheapest, then lowest peak, then the saved set itself: a total order, so the
     choice never depends on the order plans arrive in."""
-    return (plan.recompute_cost, plan.peak, sorted(plan.saved))
+    return (plan.cost, plan.peak, sorted(plan.saved))
 
 
 def _solver(

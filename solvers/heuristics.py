@@ -83,15 +83,15 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
         # other does (see docs/solver-notes.md, "Adopted": the greedy's grown trajectory)
         for family in (plain + sweep, grown):
             if family:
-                lowest = min(family, key=lambda p: (p.peak, p.recompute_cost))
+                lowest = min(family, key=lambda p: (p.peak, p.cost))
                 candidates.append(descend(problem, lowest, target))
         feasible = [p for p in candidates if p.peak <= target]
     if not feasible:
-        best = min(candidates, key=lambda p: (p.peak, p.recompute_cost))
+        best = min(candidates, key=lambda p: (p.peak, p.cost))
         if budget is None:
             return _finish(best, budget, start)
         raise InfeasibleBudget(budget, best.peak, store_all(problem).peak, problem.name)
-    return _finish(min(feasible, key=lambda p: (p.recompute_cost, p.peak)), budget, start)
+    return _finish(min(feasible, key=lambda p: (p.cost, p.peak)), budget, start)
 
 
 def _drop_saves(problem: Problem, grow: bool = False) -> list[Plan]:
@@ -202,10 +202,10 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
             better += _better_flips(problem, plan, flips[DESCEND_FLIPS:])
         lower = [t for t in better if t.peak < plan.peak]
         if lower:
-            plan = min(lower, key=lambda t: (t.peak, t.recompute_cost))
+            plan = min(lower, key=lambda t: (t.peak, t.cost))
             stuck, flat = plan, 0
         elif better and flat < DESCEND_PLATEAU:
-            plan = min(better, key=lambda t: (_area(t), t.recompute_cost))
+            plan = min(better, key=lambda t: (_area(t), t.cost))
             flat += 1
         else:
             return stuck  # the plateau moves led nowhere: back to where they began
@@ -263,7 +263,7 @@ def fill(
                 continue
             trials -= 1
             trial = evaluate(problem, plan.saved | {i}, solver=plan.solver, status=plan.status)
-            if trial.peak <= budget and trial.recompute_cost < plan.recompute_cost:
+            if trial.peak <= budget and trial.cost < plan.cost:
                 plan, improved, misses = trial, True, 0
             else:
                 misses += 1

@@ -17,9 +17,12 @@ class Plan:
     may recompute a value more than once, ``multiple``) is determined by
     ``schedule.backward``; any other by ``saved``.
 
+    ``cost`` (what solvers minimise) is the step's extra time: ``recompute_cost``, the
+    seconds of what the backward runs again, plus ``save_cost``, the seconds of keeping
+    the saved storages (``Node.save_cost``; 0 where the cost model charges none).
     ``status`` is ``"optimal"`` when the solver proved no cheaper plan meets
     the budget, ``"feasible"`` when it stopped with a proven ``bound`` on the
-    recompute cost, and ``"heuristic"`` when there is no bound at all.
+    cost, and ``"heuristic"`` when there is no bound at all.
     """
 
     saved: frozenset[int]
@@ -34,6 +37,12 @@ class Plan:
     bound: float | None = None
     solve_seconds: float = 0.0
     ordered: bool = False  # the backward's order was given, not derived from ``saved``
+    save_cost: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """Recompute plus save seconds: the step time the plan adds."""
+        return self.recompute_cost + self.save_cost
 
     @property
     def multiple(self) -> bool:
@@ -46,17 +55,21 @@ class Plan:
         """(cost - bound) / cost, 0 when proven optimal, None without a bound."""
         if self.bound is None:
             return None
-        if self.recompute_cost <= 0:
+        if self.cost <= 0:
             return 0.0
-        return max(0.0, (self.recompute_cost - self.bound) / self.recompute_cost)
+        return max(0.0, (self.cost - self.bound) / self.cost)
 
     def __str__(self) -> str:
         gap = "" if self.gap is None else f", gap {self.gap:.1%}"
         return (
             f"Plan({self.solver}, {self.status}{gap}: save {len(self.saved)}, "
             f"recompute {len(self.recomputed)}, peak {format_bytes(self.peak)}, "
-            f"recompute cost {self.recompute_cost:.3g})"
+            f"recompute cost {self.recompute_cost:.3g}{self._save_text()})"
         )
+
+
+    def _save_text(self) -> str:
+        return f", save cost {self.save_cost:.3g}" if self.save_cost else ""
 
 
 def evaluate(
@@ -87,6 +100,7 @@ def evaluate(
         bound=bound,
         solve_seconds=solve_seconds,
         ordered=backward is not None,
+        save_cost=save_cost(problem, sched.saved),
     )
 
 
@@ -96,8 +110,8 @@ def with_bound(
     """``plan`` as a solver that proved ``bound`` (a lower bound on every plan's cost) returns
     it: the bound capped at the plan's cost; ``optimal`` where ``proven`` or the bound meets
     the cost (to rounding), else ``feasible``."""
-    bound = min(bound, plan.recompute_cost)
-    closed = proven or plan.recompute_cost - bound <= 1e-9 * max(1.0, bound)
+    bound = min(bound, plan.cost)
+    closed = proven or plan.cost - bound <= 1e-9 * max(1.0, bound)
     return replace(
         plan,
         solver=solver,
@@ -127,6 +141,19 @@ def held_bytes(problem: Problem, plan: Plan) -> int:
 def saved_bytes(problem: Problem, plan: Plan) -> int:
     """Bytes the forward hands to the backward: storages of the saved values."""
     return _storage_bytes(problem, plan.saved)
+
+
+def step_seconds(problem: Problem, plan: Plan) -> float:
+    """The step's estimated time under ``plan``: every node once, plus the plan's cost."""
+    return sum(n.cost for n in problem.nodes) + plan.cost
+
+
+def save_cost(problem: Problem, saved: Iterable[int]) -> float:
+    """Seconds of keeping ``saved``'s storages for the backward, each storage once; those
+    of the outputs are kept for the caller anyway and cost nothing more."""
+    storage, nodes = problem.storage, problem.nodes
+    held = {storage[i] for i in problem.outputs}
+    return sum(nodes[r].save_cost for r in {storage[i] for i in saved} - held)
 
 
 def _storage_bytes(problem: Problem, values) -> int:

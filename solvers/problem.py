@@ -11,6 +11,9 @@ Memory model, shared by ``schedule`` and ``simulate``:
   allocated when that op runs, because that is when the kernel writes it.
 - ``workspace`` bytes are scratch a kernel allocates and frees while it runs
   (convolution's im2col buffers): they count at that node's step only.
+
+A plan's cost is the step's extra time: ``cost`` seconds of each value it recomputes
+plus ``save_cost`` seconds of each storage it keeps for the backward (``Plan.cost``).
 - Parameters and user inputs are resident before the step and are not nodes;
   gradients (``grads``) and the tangents fed to the backward are nodes.
 """
@@ -47,6 +50,10 @@ class Node:
     output_of: int | None = None
     op: str = ""
     workspace: int = 0
+    # seconds the step pays for keeping this storage from the forward into the backward
+    # rather than freeing it (traffic a fusing compiler would avoid, colder reads): set on
+    # storage owners, charged once per saved storage (``Plan.save_cost``)
+    save_cost: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -226,8 +233,8 @@ def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:
     where = f"node {i} ({node.name!r})"
     if node.phase not in ("fwd", "bwd"):
         raise ValueError(f"{where}: phase must be 'fwd' or 'bwd', got {node.phase!r}")
-    if node.bytes < 0 or node.cost < 0 or node.workspace < 0:
-        raise ValueError(f"{where}: bytes, cost and workspace must be non-negative")
+    if min(node.bytes, node.cost, node.workspace, node.save_cost) < 0:
+        raise ValueError(f"{where}: bytes, cost, workspace and save_cost must be non-negative")
     for j in node.inputs:
         if not 0 <= j < i:
             raise ValueError(f"{where}: input {j} does not run before it")

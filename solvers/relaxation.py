@@ -12,8 +12,8 @@ a value the backward reads is saved or recomputed, a recomputed value's inputs a
 too, nothing nobody needs is saved or recomputed, random ops are never recomputed,
 and a storage that stays allocated anyway (a caller-held output, the base of a saved
 view) is never rebuilt. So every saved set has exactly one assignment, its
-*canonical* one, and the objective is its recompute cost (costs floored to integers,
-which keeps the bound a bound).
+*canonical* one, and the objective is its cost, recompute plus save seconds (floored
+to integers, which keeps the bound a bound).
 
 Memory, in layers:
 
@@ -203,9 +203,13 @@ class Relaxation(Exact, Cuts):
             m.Add(var <= sum(s[v] for v in self.members[R]))
 
     def _objective(self) -> None:
-        """Recompute cost of what the forward also runs, floored to integer units."""
+        """Recompute cost of what the forward also runs plus the save cost of each kept
+        storage (``Plan.cost``), floored to integer units."""
         nodes, m = self.problem.nodes, self.model
-        top = max((nodes[v].cost for v in self.relevant), default=0.0)
+        top = max(
+            max((nodes[v].cost for v in self.relevant), default=0.0),
+            max((nodes[R].save_cost for R in self.kept), default=0.0),
+        )
         self.scale = COST_RESOLUTION / top if top > 0 else 1.0
         terms, self.paid = [], {}
         for v in sorted(self.relevant):
@@ -218,6 +222,10 @@ class Relaxation(Exact, Cuts):
                 terms.append(units * paid)
             else:
                 terms.append(units * self.r[v])
+        for R, kept in self.kept.items():
+            units = math.floor(nodes[R].save_cost * self.scale)
+            if units > 0:
+                terms.append(units * kept)
         m.Minimize(sum(terms))
 
     def _forward_memory(self) -> None:

@@ -119,7 +119,7 @@ class _Patterns:
             for q in self.order[longest : longest + NEXT_POSITIONS]:
                 short = frozenset(self.order[:longest])
                 self._mixed(short, short | {q})
-        return min(self.fits, key=lambda p: (p.recompute_cost, p.peak), default=None)
+        return min(self.fits, key=lambda p: (p.cost, p.peak), default=None)
 
     def _rounded(self) -> list[tuple]:
         """The LP's answer rounded, node by node, as ``(value, seconds per byte, node)``."""

@@ -6,14 +6,15 @@ import contextlib
 import functools
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 
 from .budget import Budget, BudgetLike
 from .chain import lowest_chain_peak, revolve, sqrt
 from .cpsat import cpsat
 from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
-from .plan import Plan, evaluate
+from .plan import Plan, evaluate, with_bound
 from .problem import Problem
 from .repeated import repeated
 from .schedule import InvalidPlan
@@ -88,10 +89,18 @@ def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
     return functools.partial(run, time_limit=time_limit)
 
 
-def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -> Plan:
+def solve(
+    problem: Problem,
+    budget: BudgetLike,
+    solver: str | Solver = "auto",
+    candidates: Mapping[str, Iterable[int]] | None = None,
+) -> Plan:
     """Plan ``problem`` under ``budget`` (a ``Budget``, or what ``Budget.parse`` reads).
 
     ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``.
+    ``candidates`` name saved sets found elsewhere (torch's own partition): one that fits
+    and costs less than the solver's plan is returned instead, under the name and with
+    the solver's bound (a bound on every plan); one ``schedule`` refuses is skipped.
     No plan is taken on faith: each is derived again from its saved set (and its backward
     order, where it gives one) through ``schedule`` and ``simulate``, a plan whose peak,
     cost or programs differ from that is refused (``InvalidPlan``), and the budget is
@@ -110,7 +119,26 @@ def solve(problem: Problem, budget: BudgetLike, solver: str | Solver = "auto") -
                 f"solver {solver!r} returned a plan peaking at {plan.peak} bytes, over the budget "
                 f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
             )
-        return plan
+        return _cheapest(problem, plan, limit, candidates or {})
+
+
+def _cheapest(
+    problem: Problem, plan: Plan, limit: int, candidates: Mapping[str, Iterable[int]]
+) -> Plan:
+    """``plan``, or the cheapest of ``candidates`` that fits ``limit`` where it costs less."""
+    for name, saved in candidates.items():
+        try:
+            other = evaluate(problem, saved, solver=name, budget=limit)
+        except InvalidPlan as e:
+            log.debug("remat %s: candidate %s skipped: %s", problem.name, name, e)
+            continue
+        if other.peak <= limit and other.cost < plan.cost:
+            if plan.bound is None:
+                plan = replace(other, solve_seconds=plan.solve_seconds)
+            else:
+                seconds = plan.solve_seconds
+                plan = with_bound(other, plan.bound, solver=name, budget=limit, seconds=seconds)
+    return plan
 
 
 def _run_or_greedy(fn: Solver, problem: Problem, limit: int, solver: str | Solver) -> object:
@@ -149,6 +177,7 @@ def _checked(problem: Problem, plan: object, solver: str | Solver) -> Plan:
     claims = {
         "peak": (plan.peak, again.peak),
         "recompute cost": (plan.recompute_cost, again.recompute_cost),
+        "save cost": (plan.save_cost, again.save_cost),
         "programs": (plan.schedule, again.schedule),
     }
     wrong = [f"{what} {got!r:.60} (derived: {want!r:.60})"

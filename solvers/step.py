@@ -227,6 +227,7 @@ def _moved(node: Node, where: list[int | None]) -> Node:
         output_of=at(node.output_of),
         op=node.op,
         workspace=node.workspace,
+        save_cost=node.save_cost,
     )
 
 

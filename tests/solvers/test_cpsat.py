@@ -69,12 +69,15 @@ def tol(x: float) -> float:
 
 def resolution(problem: Problem) -> float:
     """An upper bound on one objective unit, ``1 / scale``, in cost."""
-    return max((n.cost for n in problem.nodes if n.phase == "fwd"), default=0.0) / COST_RESOLUTION
+    fwd = [n for n in problem.nodes if n.phase == "fwd"]
+    return max((max(n.cost, n.save_cost) for n in fwd), default=0.0) / COST_RESOLUTION
 
 
 def floor_slack(problem: Problem, plan: Plan) -> float:
-    """How far below the true cost flooring may put a bound: one unit per recomputed node."""
-    return len(plan.recomputed) * resolution(problem) + tol(plan.recompute_cost)
+    """How far below the true cost flooring may put a bound: one unit per recomputed node
+    and per saved storage."""
+    terms = len(plan.recomputed) + len(plan.saved)
+    return terms * resolution(problem) + tol(plan.cost)
 
 
 def size_bucket(problem: Problem) -> str:
@@ -157,7 +160,7 @@ def plan_of(problem: Problem, saved) -> Plan:
 
 @functools.lru_cache(maxsize=256)
 def all_plans(problem: Problem) -> tuple[tuple[int, float, frozenset[int]], ...]:
-    """(peak, recompute cost, saved) of every saved set that is a plan."""
+    """(peak, cost, saved) of every saved set that is a plan."""
     values = sorted(savable(problem))
     seen: dict[frozenset[int], tuple[int, float]] = {}
     for k in range(len(values) + 1):
@@ -166,7 +169,7 @@ def all_plans(problem: Problem) -> tuple[tuple[int, float, frozenset[int]], ...]
                 plan = evaluate(problem, subset, solver="exhaustive")
             except InvalidPlan:
                 continue
-            seen[plan.saved] = (plan.peak, plan.recompute_cost)
+            seen[plan.saved] = (plan.peak, plan.cost)
     return tuple((peak, cost, saved) for saved, (peak, cost) in seen.items())
 
 
@@ -182,10 +185,10 @@ def assert_solver_plan(problem: Problem, plan: Plan, budget: int) -> None:
     assert plan.peak <= budget
     assert plan.status in ("optimal", "feasible")
     assert plan.bound is not None
-    assert plan.recompute_cost >= plan.bound - tol(plan.recompute_cost)
+    assert plan.cost >= plan.bound - tol(plan.cost)
     assert 0.0 <= plan.gap <= 1.0
     if plan.status == "optimal":  # up to the objective's integer resolution
-        assert plan.recompute_cost - plan.bound <= floor_slack(problem, plan)
+        assert plan.cost - plan.bound <= floor_slack(problem, plan)
 
 
 def draw_budget(data, problem: Problem) -> int:
@@ -208,10 +211,12 @@ def check_canonical(problem: Problem, plan: Plan, *, exact: bool = True) -> None
         f"(exact={exact}) at budget = its peak {plan.peak} ({plan.timeline.peak_phase})"
     )
     objective = solver.ObjectiveValue() / relax.scale
-    cost = plan.recompute_cost
-    # floored per node: never above the cost, under it by < 1 unit per recomputed node
+    cost = plan.cost
+    # floored per term: never above the cost, under it by < 1 unit per recomputed node
+    # and per saved storage
     assert objective <= cost + tol(cost)
-    assert cost - objective <= len(plan.recomputed) / relax.scale + tol(cost)
+    terms = len(plan.recomputed) + len(plan.saved)
+    assert cost - objective <= terms / relax.scale + tol(cost)
 
 
 def check_exact_backward(problem: Problem, plan: Plan) -> bool:
@@ -373,9 +378,9 @@ def test_cpsat_plans_fit_and_beat_greedy(data, problem):
     note(f"{plan}, bound {plan.bound!r}")
     assert_solver_plan(problem, plan, budget)
     base = greedy(problem, budget)  # fits: budget >= greedy's minimum
-    assert plan.recompute_cost <= base.recompute_cost + tol(base.recompute_cost)
+    assert plan.cost <= base.cost + tol(base.cost)
     event(f"fwd nodes {size_bucket(problem)}, {plan.status}")
-    event("beats greedy" if plan.recompute_cost < base.recompute_cost - 1e-9 else "ties greedy")
+    event("beats greedy" if plan.cost < base.cost - 1e-9 else "ties greedy")
 
 
 @settings(max_examples=15, **SETTINGS)
@@ -411,7 +416,7 @@ def test_cpsat_is_deterministic(data, problem):
     a = cpsat(problem, budget, time_limit=limit, seed=3)
     b = cpsat(twin, budget, time_limit=limit, seed=3)
     assert a.saved == b.saved
-    assert (a.status, a.bound, a.recompute_cost) == (b.status, b.bound, b.recompute_cost)
+    assert (a.status, a.bound, a.cost) == (b.status, b.bound, b.cost)
 
 
 @settings(max_examples=30, **SETTINGS)
@@ -421,7 +426,7 @@ def test_optimal_means_zero_gap(problem):
     """``Plan.gap``: 0 when proven optimal (the bound of an optimal plan is its cost)."""
     plan = cpsat(problem, time_limit=time_limit_for(problem))
     if plan.status == "optimal":
-        note(f"cost {plan.recompute_cost!r}, bound {plan.bound!r}")
+        note(f"cost {plan.cost!r}, bound {plan.bound!r}")
         assert plan.gap == 0.0
 
 
@@ -451,10 +456,10 @@ def test_cpsat_is_optimal_on_tiny_problems(data, problem):
     event("binding" if budget < full else "store-all fits")
     assert_solver_plan(problem, plan, budget)
     slack = len(savable(problem)) * resolution(problem)  # the floored objective's blur
-    assert plan.recompute_cost >= expected - tol(expected)
+    assert plan.cost >= expected - tol(expected)
     assert plan.bound <= expected + REL * max(1.0, expected)  # a bound on the true optimum
     assert plan.status == "optimal", "not proven optimal in 5 deterministic seconds"
-    assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+    assert math.isclose(plan.cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -471,11 +476,11 @@ def test_gap_limit_stops_within_it_of_the_optimum(data, problem, gap_limit):
     note(f"{plan}, bound {plan.bound!r}; exhaustive minimum {expected!r}")
     assert_solver_plan(problem, plan, budget)
     slack = len(savable(problem)) * resolution(problem)  # the floored objective's blur
-    assert plan.recompute_cost - plan.bound <= gap_limit * plan.recompute_cost + slack
-    assert plan.recompute_cost <= expected / (1 - gap_limit) + slack + tol(expected)
+    assert plan.cost - plan.bound <= gap_limit * plan.cost + slack
+    assert plan.cost <= expected / (1 - gap_limit) + slack + tol(expected)
     assert plan.bound <= expected + REL * max(1.0, expected)
     if plan.status == "optimal":  # CP-SAT says OPTIMAL at its gap limit too: not proof
-        assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+        assert math.isclose(plan.cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
 
 
 @settings(max_examples=12, **SETTINGS)
@@ -489,7 +494,7 @@ def test_a_gap_limited_optimal_is_optimal(data, problem):
     note(f"{loose}, bound {loose.bound!r}")
     if loose.status == "optimal":
         exact = cpsat(problem, budget, time_limit=limit, gap_limit=0)
-        assert exact.recompute_cost >= loose.recompute_cost - tol(loose.recompute_cost)
+        assert exact.cost >= loose.cost - tol(loose.cost)
 
 
 @pytest.mark.parametrize("gap_limit", [-0.1, 1.0, 2.0])
@@ -517,7 +522,7 @@ def test_cpsat_finds_plans_greedy_cannot(data, problem):
     assert_solver_plan(problem, plan, budget)
     assert plan.status == "optimal", "not proven optimal in 5 deterministic seconds"
     slack = len(savable(problem)) * resolution(problem)
-    assert math.isclose(plan.recompute_cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
+    assert math.isclose(plan.cost, expected, rel_tol=REL, abs_tol=slack + 1e-9)
 
 
 @settings(max_examples=30, **SETTINGS)
@@ -568,7 +573,7 @@ def test_solve_with_cpsat_auto_and_a_callable(data, problem):
     for solver in solvers:
         plan = solve(problem, budget, solver=solver)
         assert_solver_plan(problem, plan, budget)
-        assert plan.recompute_cost <= base.recompute_cost + tol(base.recompute_cost)
+        assert plan.cost <= base.cost + tol(base.cost)
 
 
 def test_solve_with_cpsat_and_a_fraction():

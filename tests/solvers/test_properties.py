@@ -68,6 +68,7 @@ def joint_graphs(draw, max_forward: int = 200) -> Problem:
 SIZES = st.sampled_from([0, 1, 2, 7, 30, 100, 512, 1000])
 COSTS = st.sampled_from([0.0, 0.25, 1.0, 2.5, 10.0])
 WORKSPACE = st.sampled_from([0, 0, 0, 0, 64, 3000])  # kernel scratch, at its own step only
+SAVE_COSTS = st.sampled_from([0.0, 0.0, 0.0, 0.5, 3.0])  # what keeping a storage costs
 KINDS = st.sampled_from(
     ["op", "op", "op", "view", "multi", "tangent", "bwd", "bwd", "bwd_view", "bwd_multi"]
 )
@@ -110,7 +111,14 @@ def problems(draw, max_steps: int = 30) -> Problem:
             )
             for _ in range(draw(st.integers(1, 3))):
                 fwd.append(
-                    add("fwd", bytes=draw(SIZES), inputs=(op,), output_of=op, recomputable=rec)
+                    add(
+                        "fwd",
+                        bytes=draw(SIZES),
+                        inputs=(op,),
+                        output_of=op,
+                        recomputable=rec,
+                        save_cost=draw(SAVE_COSTS),
+                    )
                 )
         elif kind in ("op", "view"):
             fwd.append(
@@ -121,6 +129,7 @@ def problems(draw, max_steps: int = 30) -> Problem:
                     inputs=some(fwd),
                     recomputable=recomputable(),
                     workspace=draw(WORKSPACE),
+                    save_cost=draw(SAVE_COSTS),
                 )
             )
         elif kind == "tangent" or not bwd:
@@ -260,8 +269,8 @@ def test_greedy_meets_every_budget_down_to_its_minimum(data, problem):
     check_plan(problem, plan)
     # greedy documents itself as the cheapest of its candidates that fits, and the
     # checkpoint sweep is always among them: never costlier than a sweep plan that fits.
-    fitting = [c.recompute_cost for c in checkpoint_sweep(problem) if c.peak <= budget]
-    assert plan.recompute_cost <= min(fitting, default=float("inf")) + 1e-9
+    fitting = [c.cost for c in checkpoint_sweep(problem) if c.peak <= budget]
+    assert plan.cost <= min(fitting, default=float("inf")) + 1e-9
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -299,7 +308,7 @@ def test_peak_is_monotone_in_the_budget(data, problem):
     # no more. (Cost can otherwise *fall* as the budget falls: see the report.)
     for k in range(1, len(plans)):
         if plans[k - 1].peak <= budgets[k]:
-            assert plans[k].recompute_cost <= plans[k - 1].recompute_cost + 1e-9
+            assert plans[k].cost <= plans[k - 1].cost + 1e-9
 
 
 @settings(max_examples=30, **SETTINGS)
@@ -309,7 +318,7 @@ def test_store_all_budget_costs_no_more_than_store_all(problem):
     # store-all's own plan is greedy's first candidate and fits its own peak
     for plan in (greedy(problem, full.peak), solve(problem, 1.0), solve(problem, "100%")):
         assert plan.peak <= full.peak
-        assert plan.recompute_cost <= full.recompute_cost + 1e-9
+        assert plan.cost <= full.cost + 1e-9
 
 
 @settings(max_examples=30, **SETTINGS)
