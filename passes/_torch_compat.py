@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
+    "after_backward",
     "BackendCompilerFailed",
     "CompileContext",
     "CompileId",
@@ -38,6 +39,7 @@ __all__ = [
     "current_dispatch_mode",
     "custom_partitioner_base",
     "dynamo_config",
+    "fsdp_resized_tensors",
     "inductor",
     "min_cut_partition",
     "pop_dispatch_mode",
@@ -172,12 +174,20 @@ def custom_partitioner_base() -> type:
     return CustomPartitionerFn
 
 
-def min_cut_partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+def min_cut_partition(
+    joint: fx.GraphModule, joint_inputs, *, memory_budget: float | None = None, **kwargs
+):
     """torch's ``min_cut_rematerialization_partition`` choosing from the ops inductor may
-    recompute (its default set), for comparing against remat on the same graph."""
+    recompute (its default set), for comparing against remat on the same graph; at
+    ``activation_memory_budget = memory_budget`` where given, else at the configured one."""
+    from torch._functorch import config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    patch = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
+    with config.patch(**patch):
+        return min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="inductor", **kwargs
+        )
 
 
 @contextlib.contextmanager
@@ -193,6 +203,35 @@ def compile_caches_off(activation_memory_budget: float | None = None) -> Iterato
         patches["activation_memory_budget"] = float(activation_memory_budget)
     with functorch_config.patch(**patches), inductor_config.patch(fx_graph_cache=False):
         yield
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def after_backward(callback) -> None:
+    """Run ``callback`` when the backward pass running now has finished (FSDP2 ends its
+    own backward work the same way); called from inside that backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def fsdp_resized_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors whose storages FSDP2 (``fully_shard``) resizes to free and allocate
+    again, over ``module``'s tree: each sharded parameter's all-gather outputs and
+    unsharded tensors, those made so far (FSDP makes them at its first all-gather)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[torch.Tensor] = []
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            found += param.all_gather_outputs
+            found += getattr(param, "_unsharded_inner_tensors", [])
+    return found
 
 
 # ----------------------------------------------------------------------------- dispatch modes

@@ -26,6 +26,7 @@ class NodeFacts(Protocol):
     def seconds(self, node: fx.Node) -> float: ...
     def recomputable(self, node: fx.Node) -> bool: ...
     def workspace(self, node: fx.Node) -> int: ...
+    def save_seconds(self, nbytes: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ def extract(
         if output_of is not None:
             recomputable = recomputable and nodes[output_of].recomputable
         nbytes = 0 if base is not None else _own_bytes(n, facts)
+        # a storage a plan may keep for the backward (a multi-output op is never saved:
+        # its getitems own its parts)
+        owns = None if base is not None or is_multi_output(n) else nbytes
         index[n] = len(nodes)
         kept.append(n)
         nodes.append(
@@ -125,6 +129,7 @@ def extract(
                 output_of=output_of,
                 op=_op_name(n),
                 workspace=facts.workspace(n),
+                save_cost=0.0 if owns is None else facts.save_seconds(owns),
             )
         )
 

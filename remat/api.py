@@ -29,6 +29,7 @@ from remat.passes._torch_compat import (
     compile_caches_off,
     custom_partitioner_base,
     dynamo_config,
+    fsdp_resized_tensors,
     inductor,
     tree_flatten,
 )
@@ -67,7 +68,9 @@ class RematBackend:
         self.compiler = compiler
         self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
         self.cache = open_cache(cache)  # ``remat.cache``; None when off
-        self.planner = Planner(budget, solver=solver, cost_model=cost_model, cache=self.cache)
+        self.planner = Planner(
+            budget, solver=solver, cost_model=cost_model, compiler=compiler, cache=self.cache
+        )
         self.steps = StepRunner(budget, solver, self.cache)
         # under inductor remat sees no runs, only the order dynamo compiles frames in
         self.planner.joint_follows = compiler == "eager"
@@ -176,6 +179,7 @@ def partitioner(
         option("budget", budget),
         solver=option("solver", solver),
         cost_model=option("cost_model", cost_model),
+        compiler="inductor",
         cache=open_cache(cache),
     )
     planner.held_now = planner.held_by_earlier_frames
@@ -265,6 +269,10 @@ def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Mo
     def forward(self, *args, **kwargs):
         return compiled(*args, **kwargs)
 
+    def __call__(self, *args, **kwargs):
+        rb.steps.entering((args, kwargs))  # before the hooks: FSDP's all-gathers are the step's
+        return nn.Module.__call__(self, *args, **kwargs)
+
     def __deepcopy__(self, memo):
         # A copy's forward would still run ``model`` (``compiled`` is bound to it).
         raise TypeError(
@@ -274,10 +282,11 @@ def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Mo
         )
 
     names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    members = {"forward": forward, "remat": rb, "__deepcopy__": __deepcopy__}
+    members = {"forward": forward, "remat": rb, "__call__": __call__, "__deepcopy__": __deepcopy__}
     twin_class = type(cls.__name__, (cls,), {**names, **members})
     optimized = object.__new__(twin_class)
     object.__setattr__(optimized, "__dict__", model.__dict__)
+    rb.steps.resized = functools.partial(fsdp_resized_tensors, model)
     return optimized
 
 
@@ -293,7 +302,7 @@ def _guarded(
         nonlocal fell_back
         if fell_back:
             return eager(*args, **kwargs)
-        rb.steps.entering()
+        rb.steps.entering((args, kwargs))
         ran = rb.steps.forwards_run
         try:
             # Past its recompile limit dynamo would run the step eagerly, outside the
@@ -433,6 +442,7 @@ class PlanReport:
                     "predicted peak": format_bytes(p.peak),
                     "store-all peak": format_bytes(g.store_all.peak),
                     "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
+                    "step (est.)": f"{g.step_seconds:.3g}s",
                     "solver": f"{p.solver} ({p.status}"
                     + ("" if p.gap is None else f", gap {p.gap:.1%} over single recomputation")
                     + (", multiple recomputation" if p.multiple else "")

@@ -85,7 +85,7 @@ def plan_key(problem: Problem, limit: int, solver: str) -> str:
     The problem's name is left out: it names the graph in messages only."""
     nodes = [
         (n.name, n.phase, n.bytes, n.cost, n.inputs, n.recomputable, n.alias_of, n.output_of,
-         n.op, n.workspace)
+         n.op, n.workspace, n.save_cost)
         for n in problem.nodes
     ]  # fmt: skip
     content = (nodes, problem.outputs, problem.grads, problem.resident_bytes)

@@ -32,6 +32,7 @@ from remat.errors import DynamicShapes
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import Extracted, extract
+from remat.passes.min_cut import torch_saved
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.solvers import (
@@ -42,12 +43,21 @@ from remat.solvers import (
     min_peak_plan,
     saved_bytes,
     solve,
+    step_seconds,
     store_all,
 )
 from remat.solvers.budget import Budget, BudgetLike
-from remat.solvers.solve import CPSAT_SOLVERS, SOLVERS, Solver, solver_for
+from remat.solvers.solve import (
+    CPSAT_SOLVERS,
+    REPEATED_MIN_NODES,
+    SOLVERS,
+    Solver,
+    solver_for,
+)
 
 log = logging.getLogger("remat")
+
+TORCH_CANDIDATE = "torch-min-cut"  # the name a plan taken from torch's partition carries
 
 @dataclass(frozen=True)
 class GraphPlan:
@@ -71,6 +81,11 @@ class GraphPlan:
     def saved_bytes(self) -> int:
         return saved_bytes(self.extracted.problem, self.plan)
 
+    @property
+    def step_seconds(self) -> float:
+        """The estimated time of the graph's forward and backward under the plan."""
+        return step_seconds(self.extracted.problem, self.plan)
+
 
 
 class Planner:
@@ -84,6 +99,7 @@ class Planner:
         *,
         solver: str | Solver = "auto",
         cost_model: str = "roofline",
+        compiler: str = "eager",
         cache: PlanCache | None = None,
     ) -> None:
         check_cost_model(cost_model)  # fail at construction, not at the first forward
@@ -91,6 +107,7 @@ class Planner:
         self.budget = Budget.parse(budget)
         self.solver = solver
         self.cost_model = cost_model
+        self.compiler = compiler  # what runs the programs: node times and save costs differ
         self.cache = cache  # problems and plans of earlier processes (``remat.cache``)
         self.graphs: list[GraphPlan] = []
         # set by the backend for the next graph: its inputs that are leaves needing a
@@ -123,7 +140,8 @@ class Planner:
         baseline = store_all(problem)
         held = self.held_now()
         limit = self._graph_budget(baseline.peak, held)
-        plan = self._first_plan(problem, limit, name, held)
+        candidates = self._candidates(joint, num_fwd_outputs, extracted)
+        plan = self._first_plan(problem, limit, name, held, candidates)
         solved_at = time.perf_counter()
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
         done = time.perf_counter()
@@ -172,17 +190,30 @@ class Planner:
                 latest[g.compile_id.frame_id] = g
         return sum(held_bytes(g.extracted.problem, g.plan) for g in latest.values())
 
-    def _first_plan(self, problem, limit: int, name: str, held: int) -> Plan:
-        """The plan under ``limit``. Where none fits and the step is planned as one at its
-        end (which then fits the budget or names the step's minimum), the lowest-peak plan;
-        else the refusal."""
+    def _candidates(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, extracted: Extracted
+    ) -> dict[str, frozenset[int]]:
+        """torch's own partition as a candidate plan, for the ``auto`` solver on graphs
+        below ``REPEATED_MIN_NODES`` (above, its partition takes longer than remat's plan:
+        docs/benchmarks.md, "Planning at LLM depth")."""
+        if self.solver != "auto" or len(extracted.problem) >= REPEATED_MIN_NODES:
+            return {}
+        saved = torch_saved(joint, num_fwd_outputs, extracted)
+        return {} if saved is None else {TORCH_CANDIDATE: saved}
+
+    def _first_plan(
+        self, problem, limit: int, name: str, held: int, candidates: dict | None = None
+    ) -> Plan:
+        """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits). Where
+        none fits and the step is planned as one at its end (which then fits the budget or
+        names the step's minimum), the lowest-peak plan; else the refusal."""
         if not self.joint_follows:
-            return solve(problem, limit, self._cached(self.solver))
+            return solve(problem, limit, self._cached(self.solver), candidates)
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
             solver = functools.partial(SOLVERS[solver], probes=0)
         try:
-            return solve(problem, limit, self._cached(solver))
+            return solve(problem, limit, self._cached(solver), candidates)
         except InfeasibleBudget:
             log.warning(
                 "remat %s: no plan fits what is left of the budget for it (%s; the runs "
@@ -207,7 +238,8 @@ class Planner:
         if self.cache is None:
             return measure()
         device = _device_of(joint)
-        args = (joint, num_fwd_outputs, self.cost_model, device, name, measure)
+        model = f"{self.cost_model}/{self.compiler}"
+        args = (joint, num_fwd_outputs, model, device, name, measure)
         return self.cache.extracted(*args)
 
     def _measure(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
@@ -243,7 +275,7 @@ class Planner:
         return max(self.budget.nbytes - held, 1)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
-        return CostModel.for_graph(self.cost_model, joint, _device_of(joint))
+        return CostModel.for_graph(self.cost_model, joint, _device_of(joint), self.compiler)
 
 
 def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:

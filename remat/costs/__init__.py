@@ -22,9 +22,16 @@ from torch import fx
 
 from remat.errors import InvalidOption
 
-from .device import DeviceSpec, estimate_seconds
+from .device import DeviceSpec, estimate_seconds, fused_seconds
 from .flags import has_side_effects, is_random, random_numbers
-from .graph import aliased_input, allocated_bytes, bytes_moved, flops, output_bytes
+from .graph import (
+    aliased_input,
+    allocated_bytes,
+    bytes_moved,
+    flops,
+    is_pointwise,
+    output_bytes,
+)
 from .measured import (
     KernelMemory,
     ProfileResult,
@@ -35,6 +42,7 @@ from .measured import (
 
 __all__ = [
     "COST_MODELS",
+    "SAVE_PASSES",
     "CostModel",
     "DeviceSpec",
     "KernelMemory",
@@ -46,6 +54,8 @@ __all__ = [
     "estimate_seconds",
     "flops",
     "has_side_effects",
+    "fused_seconds",
+    "is_pointwise",
     "is_random",
     "kernel_memory",
     "output_bytes",
@@ -57,6 +67,12 @@ __all__ = [
 # roofline: time estimated from flops and bytes (``device``); profile: each distinct
 # kernel timed on the device (``measured``). Both measure each kernel's memory.
 COST_MODELS = ("roofline", "profile")
+
+# Bandwidth passes a saved storage costs the step, by compiler: eager writes every value
+# anyway, and the backward reads a saved one back cold where a recomputed one is read
+# warm (1); inductor would not have written a fused intermediate at all, so saving one
+# costs its write and its read (2). Measured against steps: docs/cost-model.md, "Step time".
+SAVE_PASSES = {"eager": 1.0, "inductor": 2.0}
 
 
 def check_cost_model(name: str) -> str:
@@ -70,19 +86,27 @@ def check_cost_model(name: str) -> str:
 class CostModel:
     """Node facts for ``passes.extract``: bytes and aliasing from fake tensors (bytes
     raised to a kernel's measured output storage), scratch measured per kernel, time by
-    roofline estimate or, with ``measured``, by timing each op on the device."""
+    roofline estimate or, with ``measured``, by timing each op on the device; the time
+    under the ``compiler`` that runs the programs (inductor fuses pointwise ops into their
+    readers) and the time a saved storage costs the step (``SAVE_PASSES``)."""
 
     spec: DeviceSpec
     device: torch.device
     measured: dict[str, float] = field(default_factory=dict)
     kernels: dict = field(default_factory=dict)  # kernel_memory's cache
+    compiler: str = "eager"
 
     @classmethod
-    def for_graph(cls, name: str, joint: fx.GraphModule, device: torch.device) -> CostModel:
-        """The cost model ``name`` (one of ``COST_MODELS``) of ``joint`` on ``device``;
-        with "profile", every distinct kernel of ``joint`` is timed now."""
+    def for_graph(
+        cls, name: str, joint: fx.GraphModule, device: torch.device, compiler: str = "eager"
+    ) -> CostModel:
+        """The cost model ``name`` (one of ``COST_MODELS``) of ``joint`` on ``device`` for
+        programs ``compiler`` runs; with "profile", every distinct kernel of ``joint`` is
+        timed now."""
         check_cost_model(name)
-        model = cls(DeviceSpec.for_device(device), device)
+        if compiler not in SAVE_PASSES:
+            raise InvalidOption(f"compiler must be one of {tuple(SAVE_PASSES)}, got {compiler!r}")
+        model = cls(DeviceSpec.for_device(device), device, compiler=compiler)
         if name == "profile":
             model.measured.update(profile_seconds(joint, device))
         return model
@@ -100,9 +124,15 @@ class CostModel:
         return aliased_input(node)
 
     def seconds(self, node: fx.Node) -> float:
+        if self.compiler == "inductor" and is_pointwise(node):
+            return fused_seconds(node, self.spec)
         if node.name in self.measured:
             return self.measured[node.name]
         return estimate_seconds(node, self.spec)
+
+    def save_seconds(self, nbytes: int) -> float:
+        """What keeping a storage of ``nbytes`` for the backward costs the step."""
+        return SAVE_PASSES[self.compiler] * nbytes / self.spec.bandwidth
 
     def workspace(self, node: fx.Node) -> int:
         measured = kernel_memory(node, self.device, self.kernels)

@@ -21,7 +21,7 @@ from ._fx import input_nodes, meta_val, tensors_of
 from .flags import random_numbers
 from .graph import bytes_moved, flop_formula, flops, is_kernel, is_view
 
-__all__ = ["DeviceSpec", "estimate_seconds"]
+__all__ = ["DeviceSpec", "estimate_seconds", "fused_seconds"]
 
 
 # Datasheet peaks (fp32 non-tensor FLOP/s, tf32 tensor FLOP/s, bf16/fp16 tensor FLOP/s,
@@ -159,3 +159,10 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
     peak = spec.matmul_peak(_compute_dtype(node)) if flop_formula(node.target) else spec.peak_flops
     drawing = random_numbers(node) / spec.random_per_second
     return max(f / peak, bytes_moved(node) / spec.bandwidth, drawing) + spec.launch_overhead
+
+
+def fused_seconds(node: fx.Node, spec: DeviceSpec) -> float:
+    """A pointwise op's time inside a fused kernel: its flops alone. Its output is never
+    written nor read back and it launches nothing; what it reads, its fused consumer would
+    have read in its place (docs/cost-model.md, "Step time")."""
+    return flops(node) / spec.peak_flops

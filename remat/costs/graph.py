@@ -58,6 +58,7 @@ __all__ = [
     "flop_formula",
     "flops",
     "is_kernel",
+    "is_pointwise",
     "is_view",
     "output_bytes",
 ]
@@ -301,6 +302,13 @@ def flop_formula(target: Any) -> Callable[..., int] | None:
     except TypeError:  # unhashable target
         return None
     return f if f is not None else _extra_formulas().get(key)
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    """An elementwise op (torch's ``pointwise`` tag): a fusing compiler runs it inside the
+    kernel of what reads it."""
+    target = node.target
+    return isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags
 
 
 def is_kernel(node: fx.Node) -> bool:

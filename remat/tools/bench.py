@@ -425,6 +425,7 @@ def _remat_columns(row: Row, report) -> None:
     graphs = report.graphs
     row.graphs = len(graphs)
     row.predicted_peak = report.predicted_peak
+    row.predicted_s = sum(g.step_seconds for g in graphs)
     # the step's joint plans where a step ended, else the graphs' compile-time ones
     plans = [s.plan for s in report.steps] or [g.plan for g in graphs]
     row.budget_bytes = max([s.budget for s in report.steps] or [g.budget for g in graphs])

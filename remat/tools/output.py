@@ -130,6 +130,8 @@ def plan_table(report, budget: str) -> str:
         ("peak / store-all", lambda g: f"{g.plan.peak / max(g.store_all.peak, 1):.1%}"),
         ("recompute (est.)", lambda g: format_seconds(g.plan.recompute_cost)),
         ("recompute overhead", lambda g: f"+{_overhead(g):.1%} of forward"),
+        ("save cost (est.)", lambda g: format_seconds(g.plan.save_cost)),
+        ("step time (est.)", lambda g: format_seconds(g.step_seconds)),
         ("solver", lambda g: g.plan.solver),
         ("status", lambda g: g.plan.status),
         ("lower bound", lambda g: "-" if g.plan.bound is None else format_seconds(g.plan.bound)),

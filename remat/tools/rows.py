@@ -47,6 +47,7 @@ class Row:
     plan_s: float | None = None  # remat: planning time of all graphs
     budget_bytes: int | None = None  # remat: the budget in bytes (fractions resolved)
     predicted_peak: int | None = None  # remat: the plan's predicted peak
+    predicted_s: float | None = None  # remat: the plans' estimated step time (cost model)
     gap: float | None = None  # remat: solver's optimality gap (None: heuristic, no bound)
     status: str | None = None  # remat: plan status (optimal / feasible / heuristic)
     graphs: int | None = None
@@ -149,6 +150,7 @@ TABLE_HEADERS = (
     "vs eager",
     "step",
     "+-",
+    "step (est.)",
     "overhead",
     "compile",
     "predicted",
@@ -178,6 +180,7 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
                 f"{r.peak_bytes / eager:.2f}x" if r.peak_bytes is not None and eager else "",
                 _seconds(r.step_s),
                 f"{r.spread:.1%}" if r.spread is not None else "",
+                _seconds(r.predicted_s),
                 f"{r.overhead:+.1%}" if r.overhead is not None else "",
                 f"{r.compile_s:.1f} s" if r.compile_s is not None else "",
                 format_bytes(r.predicted_peak) if r.predicted_peak is not None else "",

@@ -1,0 +1,114 @@
+"""The step-time cost model (inductor's fusion, what a saved storage costs) and torch's
+own partition as a candidate plan, on real joint graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from remat import costs
+from remat.errors import InvalidOption
+from remat.passes.min_cut import torch_saved
+from remat.planner import TORCH_CANDIDATE, Planner
+from remat.solvers import SOLVERS, evaluate, saved_bytes, store_all
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
+
+
+class GeluMLP(nn.Module):
+    """Wide pointwise chains between matmuls: what torch's min-cut recomputes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 256), nn.Linear(256, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = 0.5 * h * (1 + torch.tanh(0.79788456 * (h + 0.044715 * h.pow(3))))
+        return F.mse_loss(self.down(h), x)
+
+
+@pytest.fixture(scope="module")
+def joint():
+    """(joint graph, num_fwd_outputs) of GeluMLP's step, traced once."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    captured = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kwargs):
+        captured["joint"] = copy.deepcopy(joint)
+        captured["n"] = num_fwd_outputs
+        return default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GeluMLP()
+    backend = aot_autograd(fw_compiler=lambda g, _: g, partition_fn=partition)
+    torch.compile(model, backend=backend, dynamic=False)(torch.randn(64, 32)).backward()
+    torch._dynamo.reset()
+    return captured["joint"], captured["n"]
+
+
+def plan_of(joint, budget, compiler):
+    graph, n = joint
+    planner = Planner(budget, compiler=compiler)
+    planner(copy.deepcopy(graph), None, num_fwd_outputs=n)
+    return planner.graphs[0]
+
+
+def test_inductor_runs_a_pointwise_op_inside_its_reader_and_a_matmul_alone(joint):
+    graph, _ = joint
+    eager = costs.CostModel.for_graph("roofline", graph, CPU, "eager")
+    inductor = costs.CostModel.for_graph("roofline", graph, CPU, "inductor")
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    tanh = next(n for n in calls if n.target is aten.tanh.default)
+    mm = next(n for n in calls if n.target in (aten.addmm.default, aten.mm.default))
+    assert inductor.seconds(tanh) == costs.fused_seconds(tanh, inductor.spec)
+    assert inductor.seconds(tanh) < eager.seconds(tanh) / 10
+    assert inductor.seconds(mm) == eager.seconds(mm) > 0
+    assert inductor.save_seconds(1 << 20) == 2 * eager.save_seconds(1 << 20) > 0
+    with pytest.raises(InvalidOption, match="compiler must be one of"):
+        costs.CostModel.for_graph("roofline", graph, CPU, "tvm")
+
+
+def test_save_costs_sit_on_storage_owners_only(joint):
+    problem = plan_of(joint, 1.0, "eager").extracted.problem
+    for node in problem.nodes:
+        if node.alias_of is not None or problem.outputs_of[problem.nodes.index(node)]:
+            assert node.save_cost == 0, node.name
+        elif node.phase == "fwd" and node.bytes:
+            assert node.save_cost > 0, node.name
+
+
+def test_under_inductor_budget_1_keeps_less_than_everything_when_that_is_faster(joint):
+    graph = plan_of(joint, 1.0, "inductor")
+    problem, plan = graph.extracted.problem, graph.plan
+    full = store_all(problem)
+    assert plan.cost < full.cost
+    # the pointwise chain is rebuilt inside its readers, not kept
+    assert graph.saved_bytes < saved_bytes(problem, full)
+    assert graph.step_seconds < sum(n.cost for n in problem.nodes) + full.cost
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("budget", [1.0, 0.9])
+def test_remat_is_never_costlier_than_torchs_partition_where_it_fits(joint, compiler, budget):
+    graph = plan_of(joint, budget, compiler)
+    saved = torch_saved(joint[0], joint[1], graph.extracted)
+    assert saved is not None and saved
+    theirs = evaluate(graph.extracted.problem, saved, solver="torch")
+    if theirs.peak <= graph.budget:
+        assert graph.plan.cost <= theirs.cost + 1e-12
+
+
+def test_torchs_partition_is_taken_where_the_solver_does_worse(joint, monkeypatch):
+    monkeypatch.setitem(SOLVERS, "auto", SOLVERS["store-all"])  # a solver that saves all
+    graph = plan_of(joint, 1.0, "inductor")
+    assert graph.plan.solver == TORCH_CANDIDATE
+    assert graph.plan.cost < store_all(graph.extracted.problem).cost
