@@ -54,6 +54,7 @@ def check_remat_rows(rows: list[Row]) -> None:
     for r in done:
         assert r.budget_bytes is not None and r.predicted_peak is not None
         assert r.predicted_peak <= r.budget_bytes
+        assert r.predicted_s is not None and r.predicted_s > 0  # the step time estimated
         assert r.peak_bytes <= 1.10 * r.budget_bytes, r
     for curve in {(r.solver, r.cost_model) for r in done}:
         by_budget = sorted(
