@@ -31,14 +31,21 @@ class OutsideMemory(TorchDispatchMode):
         self.level = 0
         self.peak = 0
         self.live: dict[int, int] = {}
+        # storages resized outside the dispatcher (``watch``): key -> (storage, bytes it
+        # had when first watched, were it not allocated in the step)
+        self.resized: dict[int, tuple[weakref.ref, int]] = {}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # dynamo compiling a frame mid-step (fake tensors, example inputs) is not the step
+        counting = self.active and not torch.compiler.is_compiling()
+        if counting:
+            self._resync()
         out = func(*args, **(kwargs or {}))
-        if self.active:
+        if counting:
             read = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if _real(t)}
             for t in tree_flatten(out)[0]:
                 if _real(t) and storage_key(t) not in read:  # a new storage, not a view or in-place
@@ -61,6 +68,36 @@ class OutsideMemory(TorchDispatchMode):
         if nbytes is not None:
             self.level -= nbytes
 
+    def watch(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Count ``tensors``' storages by their size from now on: FSDP2 frees and
+        re-allocates unsharded parameters by resizing their storages, which no dispatch
+        mode sees. A storage allocated before the step counts what it grows past its size
+        now; one allocated in the step counts all it holds."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self.resized:
+                continue
+            if key not in self.live:
+                self.live[key] = 0
+                weakref.finalize(storage, self._freed, key)
+                base = storage.nbytes()
+            else:
+                base = 0
+            self.resized[key] = (weakref.ref(storage), base)
+        self._resync()
+
+    def _resync(self) -> None:
+        """Bring the watched storages' bytes to their sizes now."""
+        for key, (ref, base) in self.resized.items():
+            storage = ref()
+            if storage is None or key not in self.live:
+                continue
+            nbytes = max(storage.nbytes() - base, 0)
+            self.level += nbytes - self.live[key]
+            self.live[key] = nbytes
+        self.peak = max(self.peak, self.level)
+
     def forget(self, tensors: Sequence) -> None:
         """Stop counting ``tensors`` (a backward's tangents: its problem counts them)."""
         for t in tensors:
@@ -69,6 +106,8 @@ class OutsideMemory(TorchDispatchMode):
 
     def section(self) -> tuple[int, int]:
         """A program starts: the level live through it and the peak since the last one."""
+        if self.active:
+            self._resync()
         self.active = False
         level, peak, self.peak = self.level, self.peak, self.level
         return level, max(peak, level)

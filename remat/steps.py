@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -40,10 +41,12 @@ from remat.cache import PlanCache
 from remat.outside import OutsideMemory, push_if_not_top
 from remat.passes._torch_compat import (
     FakeTensor,
+    after_backward,
     boxed,
     current_dispatch_mode,
     pop_dispatch_mode,
     storage_of,
+    tree_flatten,
 )
 from remat.passes.extract import is_tangent
 from remat.passes.rewrite import rewrite
@@ -177,6 +180,13 @@ class StepRunner:
         self.step: _Recording | None = None
         self.record_next = True
         self._runs = 0  # run ids, for the markers
+        # counts from the call's start (``entering``) until the first run says whether the
+        # step is recorded: FSDP's all-gathers and a root module's code run before it
+        self._pending: OutsideMemory | None = None
+        self._pending_inputs: tuple = ()
+        self._recorded_inputs: set[tuple] = set()  # input shapes of the steps recorded so far
+        # tensors whose storages are resized outside the dispatcher (``OutsideMemory.watch``)
+        self.resized: Callable[[], list[torch.Tensor]] = list
         self._live: dict[int, tuple[_Recording, int]] = {}
         self._warned: set[str] = set()
 
@@ -243,10 +253,9 @@ class StepRunner:
                 if key is not None and node is not None:
                     step.gradients.setdefault(key, (position, node))
             step.runs[position].done = True
-            if step.waiting:
-                self._resume(step)
-            else:
-                self._end(step)
+            self._resume(step)
+            if not step.waiting:  # the code after it in this backward is the step's too
+                after_backward(functools.partial(self._end, step))
             return grads
 
         run._boxed_call = True
@@ -260,7 +269,14 @@ class StepRunner:
         if self.step is None:
             known = any(p.graphs[0] == first.name for p in self.plans)
             record = self.record_next or not known
-            self.step = _Recording(OutsideMemory() if record else None)
+            pending, self._pending = self._pending, None
+            if record and pending is not None:
+                self._recorded_inputs.add(self._pending_inputs)
+            if record:
+                outside = pending or OutsideMemory()
+            elif pending is not None:
+                pending.stop()  # off the stack when the call returns (``returned``)
+            self.step = _Recording(outside if record else None)
         return self.step
 
     @contextlib.contextmanager
@@ -287,6 +303,7 @@ class StepRunner:
 
     def _section(self, step: _Recording) -> None:
         if step.outside is not None:
+            step.outside.watch(self.resized())
             level, peak = step.outside.section()
             step.levels.append(level)
             step.peaks.append(peak)
@@ -301,21 +318,51 @@ class StepRunner:
         a call ran any: a rerun would update buffers twice)."""
         return self._runs
 
-    def entering(self) -> None:
-        """The user calls the compiled function (``remat.optimize``'s wrapper): any
-        ``OutsideMemory`` (this model's or another's, left by a step that ended or failed)
-        comes off the dispatch mode stack first. Modes are pushed and popped only here and
-        in ``returned``, outside compiled frames: AOTAutograd wraps its first run in a mode
-        of its own, whose exit pops whatever is on top."""
-        while isinstance(current_dispatch_mode(), OutsideMemory):
+    def entering(self, inputs: Sequence = ()) -> None:
+        """The user calls the compiled function or module with ``inputs`` (``remat.optimize``'s
+        wrappers, before a module's hooks): the ``OutsideMemory`` counting this call goes on
+        top of the dispatch mode stack, any other (this model's or another's, left by a step
+        that ended or failed) off it. A call starting a step that may be recorded (the next
+        is, or no step on inputs of these shapes was) counts with a pending one, so the code
+        before its first graph (a module's hooks: FSDP's all-gathers; a frame dynamo skips:
+        FSDP's root module) is in the step's first section. Any other call runs without
+        one: a mode sees every op, graphs' too (about 20 us each on CPU). Modes are pushed
+        and popped only here and in ``returned``, outside compiled frames: AOTAutograd
+        wraps its first run in a mode of its own, whose exit pops whatever is on top."""
+        mine = self._counting()
+        if mine is None and self.step is None and torch.is_grad_enabled():
+            shapes = _shapes(inputs)
+            if self.record_next or shapes not in self._recorded_inputs:
+                mine = self._pending = OutsideMemory()
+                self._pending_inputs = shapes
+                mine.resume()
+        top = current_dispatch_mode()
+        while isinstance(top, OutsideMemory) and top is not mine:
             pop_dispatch_mode()
+            top = current_dispatch_mode()
+        if mine is not None:
+            push_if_not_top(mine)
+            mine.watch(self.resized())
 
     def returned(self) -> None:
         """The compiled function returned to the user's code: the step's ``OutsideMemory``
-        goes on the stack, to count what the code after it (a loss on its output, its
-        backward) allocates. Graph-break glue inside the function is not counted."""
-        if self.step is not None and self.step.outside is not None and self.step.outside.active:
-            push_if_not_top(self.step.outside)
+        stays on the stack, to count what the code after it (a loss on its output, its
+        backward) allocates; a call that ran no training graph, or a step not recorded,
+        leaves none."""
+        mine = self._counting()
+        if mine is not None:
+            push_if_not_top(mine)
+            return
+        self._pending = None
+        while isinstance(current_dispatch_mode(), OutsideMemory):
+            pop_dispatch_mode()
+
+    def _counting(self) -> OutsideMemory | None:
+        """The ``OutsideMemory`` counting now: the recorded step's, or a pending one."""
+        if self.step is None:
+            return self._pending
+        outside = self.step.outside
+        return outside if outside is not None and outside.active else None
 
     def _backward_section(self, step: _Recording, position: int, tangents) -> None:
         if step.outside is not None:
@@ -437,6 +484,13 @@ def _in_step_terms(refusal: InfeasibleBudget, runs: list[_Run]) -> InfeasibleBud
     r = refusal
     where = f"step ({names})"
     return InfeasibleBudget(r.budget, r.minimum, r.store_all, where, r.proven, note=note)
+
+
+def _shapes(inputs: Sequence) -> tuple:
+    """The shapes and dtypes of the tensors in ``inputs`` (what a new plan is made for)."""
+    return tuple(
+        (tuple(t.shape), t.dtype) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
+    )
 
 
 def _fake(args: Sequence) -> bool:

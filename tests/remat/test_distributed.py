@@ -82,11 +82,12 @@ def test_fsdp2_two_ranks_one_plan_reference_gradients(fsdp2):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="FSDP2's all-gathers and the root module's code run eagerly inside the compiled "
-    "forward, between remat's graphs, where remat does not measure (docs/pipelines.md)",
-)
 def test_fsdp2_two_ranks_keep_the_budget(fsdp2):
+    """What runs eagerly between remat's block graphs (FSDP2's all-gathers and the
+    parameters they unshard, its gradient buffers, the root module's embedding, head and
+    loss) is measured as code outside the graphs and planned with them: each rank's
+    measured peak is its prediction, within the budget, but for gloo's bookkeeping."""
     for r in fsdp2:
-        assert all(p <= r["budget"] for p in r["peaks"]), (r["peaks"], r["budget"])
+        assert r["predicted"] <= r["budget"]
+        for peak in r["peaks"]:
+            assert peak <= r["budget"] + GLOO_NOISE and abs(peak - r["predicted"]) <= GLOO_NOISE

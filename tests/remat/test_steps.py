@@ -330,9 +330,9 @@ def test_ddp_bucket_graphs_are_one_step():
 
 def test_fsdp2_per_block_graphs_are_planned_as_one_step(caplog):
     """FSDP2's per-module hooks break the graph at every sharded block: one block graph
-    reruns per block, planned as runs of one step, with eager's gradients. Not yet in the
-    prediction: the parameters FSDP2 all-gathers in its hooks inside the compiled forward
-    (code inside it is not measured; docs/guide.md, "What the budget covers")."""
+    reruns per block, planned as runs of one step, with eager's gradients. What FSDP2's
+    hooks all-gather and the root module's eager code hold are measured with the code
+    outside the graphs: the prediction is the measured peak, but for gloo's bookkeeping."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -353,8 +353,10 @@ def test_fsdp2_per_block_graphs_are_planned_as_one_step(caplog):
         report = optimized.remat.report()
         assert report.steps and report.steps[-1].runs > len(set(report.steps[-1].graphs))
         assert "cannot be planned as one" not in caplog.text
-        unsharded = sum(p.numel() * p.element_size() for p in reference.parameters())
-        assert report.predicted_peak < max(peaks) <= report.predicted_peak + unsharded
+        assert all(abs(p - report.predicted_peak) <= 16 * 1024 for p in peaks), (
+            peaks,
+            report.predicted_peak,
+        )
         model.zero_grad(set_to_none=True)
         optimized(*inputs).backward()
         reference(*inputs).backward()
