@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import remat
 from remat import memory
+from remat.errors import InfeasibleBudget
 from remat.keys import digest
 from remat.solvers import greedy, min_peak_plan
 from remat.tools import examples
@@ -24,6 +25,7 @@ from remat.tools import examples
 # at least 1 MiB (DDP's first bucket), and this makes two of them
 SIZES = dict(layers=2, d_model=64, heads=2, seq=32, vocab=4096, dropout=0.0)
 BATCH = 4  # per rank
+WORLD = 2
 STEPS = 4  # the first plans; peaks are measured from the second on
 
 
@@ -129,7 +131,33 @@ def fsdp2(rank: int, world: int) -> dict:
     fully_shard(model)
     optimized = remat.optimize(model, budget=0.9)
     grad = lambda p: p.grad.full_tensor()  # noqa: E731
-    return _train(model, optimized, reference, rank, world, local_grad=grad)
+    result = _train(model, optimized, reference, rank, world, local_grad=grad)
+    return {**result, "refused": _refused_then_fits(model, rank)}
+
+
+def _refused_then_fits(model, rank: int) -> dict:
+    """A budget below the step's minimum (3/4 of its store-all peak; the block graph alone
+    fits 3/4 of its own) is refused naming that minimum; then the step under a budget of
+    exactly that minimum: its peaks and prediction."""
+    x, y = (t[rank * BATCH : (rank + 1) * BATCH] for t in _batches(WORLD)[0])
+    step = lambda optimized: lambda: optimized(x, y).backward()  # noqa: E731
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    try:
+        step(remat.optimize(model, budget=0.75))()
+        return {"minimum": None}
+    except InfeasibleBudget as refusal:
+        minimum = refusal.minimum
+    torch._dynamo.reset()
+    fits = remat.optimize(model, budget=minimum)
+    peaks = []
+    for k in range(3):  # step 0 plans, 1 and 2 are measured
+        model.zero_grad(set_to_none=True)
+        if k:
+            peaks.append(memory.peak(step(fits)).peak_bytes)
+        else:
+            step(fits)()
+    return {"minimum": minimum, "peaks": peaks, "predicted": fits.remat.report().predicted_peak}
 
 
 CASES = {"ddp": ddp_twice, "fsdp2": fsdp2}

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ``ranks`` beside this file
 import ranks  # noqa: E402
 
-WORLD = 2
+WORLD = ranks.WORLD
 TOLERANCE = 1e-5  # float32 sums in another order (gloo's all-reduce, DDP's buckets)
 # gloo's bookkeeping lands on the measured thread by timing (0-212 B in most runs, 8,200 B
 # once: tests/remat/test_steps.py::test_ddp_bucket_graphs_are_one_step)
@@ -91,3 +91,17 @@ def test_fsdp2_two_ranks_keep_the_budget(fsdp2):
         assert r["predicted"] <= r["budget"]
         for peak in r["peaks"]:
             assert peak <= r["budget"] + GLOO_NOISE and abs(peak - r["predicted"]) <= GLOO_NOISE
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_a_budget_below_the_steps_minimum_which_then_fits(fsdp2):
+    """A budget below what the step can reach is refused naming the minimum of the whole
+    step (graphs and the code between them); a budget of that minimum is kept."""
+    for r in fsdp2:
+        refused = r["refused"]
+        assert refused["minimum"] is not None
+        assert refused["predicted"] <= refused["minimum"]
+        for peak in refused["peaks"]:
+            assert peak <= refused["minimum"] + GLOO_NOISE
+            assert abs(peak - refused["predicted"]) <= GLOO_NOISE
+    assert fsdp2[0]["refused"]["minimum"] == fsdp2[1]["refused"]["minimum"]
