@@ -26,7 +26,7 @@ class NodeFacts(Protocol):
     def seconds(self, node: fx.Node) -> float: ...
     def recomputable(self, node: fx.Node) -> bool: ...
     def workspace(self, node: fx.Node) -> int: ...
-    def save_seconds(self, nbytes: int) -> float: ...
+    def save_seconds(self, node: fx.Node, nbytes: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def extract(
                 output_of=output_of,
                 op=_op_name(n),
                 workspace=facts.workspace(n),
-                save_cost=0.0 if owns is None else facts.save_seconds(owns),
+                save_cost=0.0 if owns is None else facts.save_seconds(n, owns),
             )
         )
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from remat.cache import CacheLike, open_cache
 from remat.config import option
+from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
 from remat.errors import (
     EagerFallback,
     InvalidOption,
@@ -40,7 +41,6 @@ from remat.solvers.solve import Solver
 from remat.steps import StepPlan, StepRunner
 
 ON_FAILURE = ("eager", "raise")  # what optimize does where remat cannot compile a model
-COMPILERS = ("eager", "inductor")  # what runs remat's fw/bw programs; the first is the default
 
 
 class RematBackend:

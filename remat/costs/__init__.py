@@ -30,6 +30,7 @@ from .graph import (
     bytes_moved,
     flops,
     is_pointwise,
+    is_view,
     output_bytes,
 )
 from .measured import (
@@ -42,6 +43,8 @@ from .measured import (
 
 __all__ = [
     "COST_MODELS",
+    "COMPILERS",
+    "FUSED_SAVE_PASSES",
     "SAVE_PASSES",
     "CostModel",
     "DeviceSpec",
@@ -68,11 +71,12 @@ __all__ = [
 # kernel timed on the device (``measured``). Both measure each kernel's memory.
 COST_MODELS = ("roofline", "profile")
 
-# Bandwidth passes a saved storage costs the step, by compiler: eager writes every value
-# anyway, and the backward reads a saved one back cold where a recomputed one is read
-# warm (1); inductor would not have written a fused intermediate at all, so saving one
-# costs its write and its read (2). Measured against steps: docs/cost-model.md, "Step time".
-SAVE_PASSES = {"eager": 1.0, "inductor": 2.0}
+# Bandwidth passes a saved storage costs the step: the backward reads it back cold, where
+# a value recomputed just before its reader is read warm (1); a value inductor fuses into
+# its readers would not have been written at all, so saving it also costs its write (2).
+# Measured against steps: docs/cost-model.md, "Step time".
+SAVE_PASSES, FUSED_SAVE_PASSES = 1.0, 2.0
+COMPILERS = ("eager", "inductor")  # what runs the programs; the first is the default
 
 
 def check_cost_model(name: str) -> str:
@@ -87,8 +91,8 @@ class CostModel:
     """Node facts for ``passes.extract``: bytes and aliasing from fake tensors (bytes
     raised to a kernel's measured output storage), scratch measured per kernel, time by
     roofline estimate or, with ``measured``, by timing each op on the device; the time
-    under the ``compiler`` that runs the programs (inductor fuses pointwise ops into their
-    readers) and the time a saved storage costs the step (``SAVE_PASSES``)."""
+    under the ``compiler`` that runs the programs (inductor fuses a pointwise op into
+    readers that are pointwise too) and the time a saved storage costs the step."""
 
     spec: DeviceSpec
     device: torch.device
@@ -104,8 +108,8 @@ class CostModel:
         programs ``compiler`` runs; with "profile", every distinct kernel of ``joint`` is
         timed now."""
         check_cost_model(name)
-        if compiler not in SAVE_PASSES:
-            raise InvalidOption(f"compiler must be one of {tuple(SAVE_PASSES)}, got {compiler!r}")
+        if compiler not in COMPILERS:
+            raise InvalidOption(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         model = cls(DeviceSpec.for_device(device), device, compiler=compiler)
         if name == "profile":
             model.measured.update(profile_seconds(joint, device))
@@ -124,15 +128,22 @@ class CostModel:
         return aliased_input(node)
 
     def seconds(self, node: fx.Node) -> float:
-        if self.compiler == "inductor" and is_pointwise(node):
+        if self.fused(node):
             return fused_seconds(node, self.spec)
         if node.name in self.measured:
             return self.measured[node.name]
         return estimate_seconds(node, self.spec)
 
-    def save_seconds(self, nbytes: int) -> float:
-        """What keeping a storage of ``nbytes`` for the backward costs the step."""
-        return SAVE_PASSES[self.compiler] * nbytes / self.spec.bandwidth
+    def fused(self, node: fx.Node) -> bool:
+        """Whether the compiler runs ``node`` inside its readers' kernel: under inductor, a
+        pointwise op all of whose readers are pointwise (through views). One read by a
+        matmul, a reduction or the output is written out like any kernel's."""
+        return self.compiler == "inductor" and is_pointwise(node) and _fusible_readers(node)
+
+    def save_seconds(self, node: fx.Node, nbytes: int) -> float:
+        """What keeping ``node``'s storage of ``nbytes`` for the backward costs the step."""
+        passes = FUSED_SAVE_PASSES if self.fused(node) else SAVE_PASSES
+        return passes * nbytes / self.spec.bandwidth
 
     def workspace(self, node: fx.Node) -> int:
         measured = kernel_memory(node, self.device, self.kernels)
@@ -140,3 +151,12 @@ class CostModel:
 
     def recomputable(self, node: fx.Node) -> bool:
         return not (is_random(node) or has_side_effects(node))
+
+
+def _fusible_readers(node: fx.Node) -> bool:
+    """Every reader of ``node`` is a pointwise op, or a view whose readers all are."""
+    if not node.users:
+        return False
+    return all(
+        is_pointwise(u) or (is_view(u) and _fusible_readers(u)) for u in node.users
+    )
