@@ -105,6 +105,7 @@ def run_bench(
     threads: int | None = 1,
     cost_model: str | Sequence[str] = "roofline",
     time_limit: float | None = None,
+    at_torch_peaks: bool = False,
     progress: Progress | None = None,
 ) -> list[Row]:
     """Measure every configuration of ``methods`` on ``model_spec`` (see the module doc).
@@ -115,6 +116,9 @@ def run_bench(
     eager, checkpoint, torch by budget, remat by cost model, solver, then budget (one
     ``cost_model`` name or several: each plans its own remat rows). ``time_limit``: CP-SAT's
     limit (deterministic seconds) for the ``auto`` and ``cpsat`` rows, else its default.
+    ``at_torch_peaks``: also a remat row (first solver and cost model) at each measured peak
+    of a torch row with eager's gradients, as an absolute budget: the two curves at equal
+    memory, where fraction budgets mean different things.
     ``device`` is passed to the factory as ``device=...``; ``None`` passes nothing and
     measures where the factory's model lives.
     """
@@ -163,6 +167,15 @@ def run_bench(
             for k, cfg in enumerate(configs, 1):
                 tag = f"[{k}/{len(configs)}]"
                 _prepare(cfg, model_spec, kwargs, dev, references, say, tag)
+            if at_torch_peaks:
+                peaks = _torch_peaks(configs)
+                more = _configs(
+                    ("remat",), peaks, solvers[:1], compiler, cost_models[:1], time_limit
+                )
+                for k, cfg in enumerate(more, 1):
+                    tag = f"[at torch's peaks {k}/{len(more)}]"
+                    _prepare(cfg, model_spec, kwargs, dev, references, say, tag)
+                configs += more
             live = [c for c in configs if c.ok]
             for r in range(repeat):
                 say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
@@ -189,6 +202,12 @@ def run_bench(
         if row.step_s is not None and eager_time:
             row.overhead = row.step_s / eager_time - 1
     return [c.row for c in configs]
+
+
+def _torch_peaks(configs: list[_Config]) -> list[int]:
+    """The measured peaks of the torch rows that count as points (eager's gradients)."""
+    rows = [c.row for c in configs if c.ok and c.row.method == "torch" and c.row.grads_ok]
+    return sorted({r.peak_bytes for r in rows if r.peak_bytes}, reverse=True)
 
 
 def _spread(times: list[float]) -> float | None:
@@ -339,6 +358,7 @@ def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
             return inductor(gm, example_inputs)
 
         return torch.compile(model, backend=backend, dynamic=False)
+
     def plain(gm, _example_inputs):  # fx run as Python, as remat's eager compiler does
         return boxed(gm)
 
@@ -475,5 +495,3 @@ def pareto_budgets(
 
 
 # ----------------------------------------------------------------------------- output
-
-

@@ -328,6 +328,12 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         "budgets such as 64MiB apply to remat only",
     )
     bench.add_argument(
+        "--at-torch-peaks",
+        action="store_true",
+        help="also run remat (first solver) at each measured peak of a torch point with "
+        "correct gradients, as an absolute budget: the curves compared at equal memory",
+    )
+    bench.add_argument(
         "--solvers",
         type=_solver_list,
         default="auto",

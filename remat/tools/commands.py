@@ -354,6 +354,7 @@ def cmd_bench(args, progress: Progress) -> int:
         threads=args.threads or None,
         cost_model=args.cost_model,
         time_limit=args.time_limit,
+        at_torch_peaks=args.at_torch_peaks,
         progress=progress,
     )
     _bench_output(args, rows, _bench_meta(args, measured_on, budgets=args.budgets))

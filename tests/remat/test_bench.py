@@ -419,3 +419,15 @@ def test_hf_bench(name):
     assert all(r.error is None and r.peak_bytes > 0 for r in rows), rows
     assert rows[1].peak_bytes < rows[0].peak_bytes  # checkpointing HF blocks saves memory
     check_remat_rows(rows)
+
+
+def test_at_torch_peaks_adds_a_remat_row_at_each_torch_points_peak():
+    rows = run_bench(
+        "mlp", [1.0], methods=("torch", "remat"), repeat=1, size_kwargs=MLP_SIZE,
+        at_torch_peaks=True,
+    )  # fmt: skip
+    (torch_row,) = [r for r in rows if r.method == "torch"]
+    matched = [r for r in rows if r.method == "remat" and r.budget == torch_row.peak_bytes]
+    assert len(matched) == 1 and matched[0].error is None
+    assert matched[0].predicted_peak <= torch_row.peak_bytes
+    assert matched[0].step_s is not None  # timed with the others
