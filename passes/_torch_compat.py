@@ -38,8 +38,10 @@ __all__ = [
     "cpu_allocations",
     "current_dispatch_mode",
     "custom_partitioner_base",
+    "dispatch_modes_off",
     "dynamo_config",
     "fsdp_resized_tensors",
+    "has_fsdp",
     "inductor",
     "min_cut_partition",
     "pop_dispatch_mode",
@@ -217,6 +219,15 @@ def after_backward(callback) -> None:
 # ----------------------------------------------------------------------------- FSDP2
 
 
+def has_fsdp(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) shards ``module`` or a module in its tree."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 def fsdp_resized_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors whose storages FSDP2 (``fully_shard``) resizes to free and allocate
     again, over ``module``'s tree: each sharded parameter's all-gather outputs and
@@ -242,6 +253,22 @@ def current_dispatch_mode():
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
+
+
+@contextlib.contextmanager
+def dispatch_modes_off(kind: type) -> Iterator[None]:
+    """The dispatch modes of type ``kind``, and any above them, off the stack while the
+    block runs, then back in their order."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    first = next((i for i, m in enumerate(stack) if isinstance(m, kind)), len(stack))
+    popped = [_pop_mode() for _ in range(len(stack) - first)]
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            push_dispatch_mode(mode)
 
 
 def push_dispatch_mode(mode: TorchDispatchMode) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from remat.cache import CacheLike, open_cache
 from remat.config import option
@@ -31,6 +32,7 @@ from remat.passes._torch_compat import (
     custom_partitioner_base,
     dynamo_config,
     fsdp_resized_tensors,
+    has_fsdp,
     inductor,
     tree_flatten,
 )
@@ -286,7 +288,13 @@ def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Mo
     twin_class = type(cls.__name__, (cls,), {**names, **members})
     optimized = object.__new__(twin_class)
     object.__setattr__(optimized, "__dict__", model.__dict__)
-    rb.steps.resized = functools.partial(fsdp_resized_tensors, model)
+    if has_fsdp(model):  # its hooks all-gather before the first graph, by resizing storages
+        rb.steps.resized = functools.partial(fsdp_resized_tensors, model)
+    # DDP hands what its forward allocates before the first graph (its buffers' broadcast)
+    # to gloo's threads, which free it; a storage remat counts has a Python object whose
+    # release there takes the GIL (2 ranks hung 2 runs in 12 counting it, none in 8 not).
+    # It holds nothing past the call.
+    rb.steps.from_call = not any(isinstance(m, DistributedDataParallel) for m in model.modules())
     return optimized
 
 

@@ -52,16 +52,22 @@ class OutsideMemory(TorchDispatchMode):
                     self._track(t)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
+    def adopt(self, t: torch.Tensor) -> int:
+        """Count ``t``'s storage from now on, as if code outside had allocated it (a
+        gradient a program returned: ``remat.handed``); the bytes newly counted."""
+        return self._track(t)
+
+    def _track(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.live:
-            return
+            return 0
         nbytes = storage.nbytes()
         self.live[key] = nbytes
         self.level += nbytes
         self.peak = max(self.peak, self.level)
         weakref.finalize(storage, self._freed, key)
+        return nbytes
 
     def _freed(self, key: int) -> None:
         nbytes = self.live.pop(key, None)

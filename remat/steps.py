@@ -21,6 +21,9 @@ so the step becomes known only by running it:
 Each run's forward saves, before its saved values, an empty tensor whose shape names
 the run and the program it ran, so its backward runs the matching program even when
 the plans changed in between.
+
+One file because the runners, the dispatch mode stack discipline (``entering``,
+``returned``) and the step's solve all read and write the step being recorded.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from torch import fx
 
 from remat.agree import planning_solver
 from remat.cache import PlanCache
+from remat.handed import Handed, keeping, own_order
 from remat.outside import OutsideMemory, push_if_not_top
 from remat.passes._torch_compat import (
     FakeTensor,
     after_backward,
     boxed,
     current_dispatch_mode,
+    dispatch_modes_off,
     pop_dispatch_mode,
     storage_of,
     tree_flatten,
@@ -159,6 +164,11 @@ class _Recording:
     gradients: dict = field(default_factory=dict)  # storage -> (run, node) returned
     links: list[Link] = field(default_factory=list)
     irregular: str = ""  # why the step cannot be planned as one, if it cannot
+    handed: Handed | None = None  # the gradients the backwards returned, once returned
+
+    def __post_init__(self) -> None:
+        if self.outside is not None:
+            self.handed = Handed(self.outside, self.levels)
 
     @property
     def signature(self) -> tuple[str, ...]:
@@ -180,8 +190,9 @@ class StepRunner:
         self.step: _Recording | None = None
         self.record_next = True
         self._runs = 0  # run ids, for the markers
-        # counts from the call's start (``entering``) until the first run says whether the
-        # step is recorded: FSDP's all-gathers and a root module's code run before it
+        # count from the call's start, not the first graph (``entering``): FSDP2's hooks
+        # and a root module dynamo skips run before it
+        self.from_call = True
         self._pending: OutsideMemory | None = None
         self._pending_inputs: tuple = ()
         self._recorded_inputs: set[tuple] = set()  # input shapes of the steps recorded so far
@@ -252,6 +263,8 @@ class StepRunner:
                 key = storage_of(g)
                 if key is not None and node is not None:
                     step.gradients.setdefault(key, (position, node))
+            if step.handed is not None:
+                step.handed.returned(position, zip(grads, program.grads, strict=False))
             step.runs[position].done = True
             self._resume(step)
             if not step.waiting:  # the code after it in this backward is the step's too
@@ -281,16 +294,11 @@ class StepRunner:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Planning a graph mid-step: its own allocations are not the user's code's."""
-        outside = self.step.outside if self.step is not None else None
-        was = outside is not None and outside.active
-        if was:
-            outside.active = False
-        try:
+        """Planning a graph or a step mid-step, with no ``OutsideMemory`` on the stack: its
+        allocations are not the user's code's, and its collectives (ranks agreeing on a
+        plan) need not pass through a Python dispatch mode."""
+        with dispatch_modes_off(OutsideMemory):
             yield
-        finally:
-            if was:
-                outside.active = True
 
     def _choose(self, step: _Recording, graph: Graph) -> int:
         """The program of the step's next run: from the latest joint plan whose runs so far
@@ -321,16 +329,15 @@ class StepRunner:
     def entering(self, inputs: Sequence = ()) -> None:
         """The user calls the compiled function or module with ``inputs`` (``remat.optimize``'s
         wrappers, before a module's hooks): the ``OutsideMemory`` counting this call goes on
-        top of the dispatch mode stack, any other (this model's or another's, left by a step
-        that ended or failed) off it. A call starting a step that may be recorded (the next
-        is, or no step on inputs of these shapes was) counts with a pending one, so the code
-        before its first graph (a module's hooks: FSDP's all-gathers; a frame dynamo skips:
-        FSDP's root module) is in the step's first section. Any other call runs without
-        one: a mode sees every op, graphs' too (about 20 us each on CPU). Modes are pushed
-        and popped only here and in ``returned``, outside compiled frames: AOTAutograd
-        wraps its first run in a mode of its own, whose exit pops whatever is on top."""
+        top of the dispatch mode stack, any other (left by a step that ended or failed) off
+        it. With ``from_call``, a call starting a step that may be recorded (the next is, or
+        none on inputs of these shapes was) counts with a pending one, so the code before its
+        first graph is in the step's first section; others run without (a mode sees every
+        op, about 20 us each on CPU). Modes are pushed and popped only here and in
+        ``returned``, outside compiled frames: AOTAutograd wraps its first run in a mode of
+        its own, whose exit pops whatever is on top."""
         mine = self._counting()
-        if mine is None and self.step is None and torch.is_grad_enabled():
+        if self.from_call and mine is None and self.step is None and torch.is_grad_enabled():
             shapes = _shapes(inputs)
             if self.record_next or shapes not in self._recorded_inputs:
                 mine = self._pending = OutsideMemory()
@@ -366,6 +373,7 @@ class StepRunner:
 
     def _backward_section(self, step: _Recording, position: int, tangents) -> None:
         if step.outside is not None:
+            step.handed.fed([t for t, _ in tangents])
             step.outside.forget([t for t, _ in tangents])
         self._section(step)
         step.backward_order.append(position)
@@ -391,6 +399,7 @@ class StepRunner:
         if step.outside is not None:
             last = step.outside.section()[1]
             step.outside.stop()
+            step.handed.ended = True
             step.peaks.append(last)
         if any(p.graphs == step.signature for p in self.plans):
             return
@@ -407,15 +416,18 @@ class StepRunner:
                     step.irregular,
                 )
             return
-        self.plans.append(self._solve(step))
+        with self.paused():
+            self.plans.append(self._solve(step))
 
     def _solve(self, step: _Recording) -> StepPlan:
         runs = step.runs
-        problems = tuple(r.graph.problem for r in runs)
+        levels, peaks, freed = step.handed.planned(step.levels, step.peaks)
+        problems = tuple(
+            keeping(r.graph.problem, freed.get(k, frozenset())) for k, r in enumerate(runs)
+        )
         order = tuple(step.backward_order)
         accumulate = _accumulate(runs, order)
-        outside = Outside(tuple(step.levels), tuple(step.peaks))
-        shape = Step(problems, order, tuple(step.links), accumulate, outside)
+        shape = Step(problems, order, tuple(step.links), accumulate, Outside(levels, peaks))
         names = ", ".join(r.graph.name for r in runs)
         composed = compose(shape, name=f"step ({names})")
         used = tuple(r.graph.programs[r.program].plan for r in runs)
@@ -435,7 +447,14 @@ class StepRunner:
             except InfeasibleBudget as refusal:
                 raise _in_step_terms(refusal, runs) from None
             saved = split(composed, plan)
-            orders = split_orders(composed, plan) if plan.ordered else (None,) * len(runs)
+            orders = (
+                tuple(
+                    own_order(o, r.graph.problem)
+                    for o, r in zip(split_orders(composed, plan), runs, strict=True)
+                )
+                if plan.ordered
+                else (None,) * len(runs)
+            )
             programs = tuple(
                 r.graph.program_for(evaluate(r.graph.problem, s, backward=o, solver=plan.solver))
                 for r, s, o in zip(runs, saved, orders, strict=True)
