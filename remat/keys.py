@@ -2,7 +2,8 @@
 
 A joint graph's problem is determined by the graph (ops, arguments, and each value's shape,
 strides and dtype), which inputs the runtime overwrites, the cost model, the device it is
-measured on, and the code that reads them (remat's and torch's versions). A plan is
+measured on, and the code that reads them (a hash of remat's source, so a changed cost
+rule is never answered from an older entry, and torch's version). A plan is
 determined by its problem, the budget in bytes and the solver with its options. Anything
 else in a key would only cost hits; anything missing would hand a plan to the wrong graph.
 """
@@ -14,6 +15,7 @@ import hashlib
 import json
 import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -31,7 +33,22 @@ def digest(*parts: object) -> str:
 
 
 def versions() -> tuple[str, str]:
-    return remat.__version__, torch.__version__
+    return source_digest(), torch.__version__
+
+
+@functools.cache
+def source_digest() -> str:
+    """A hash of remat's Python source (its three packages): a development checkout
+    between releases changes it with every edit of a cost rule or solver."""
+    from remat import passes, solvers
+
+    h = hashlib.sha256(remat.__version__.encode())
+    for package in (remat, passes, solvers):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def device_name(device: torch.device) -> str:

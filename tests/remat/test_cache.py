@@ -284,3 +284,13 @@ def test_processes_planning_at_once_leave_one_entry_a_restart_reuses(tmp_path):
     assert counts.get("problem hit") == 1 and counts.get("plan hit", 0) >= 1
     assert not any(k.endswith(("miss", "bad")) for k in counts), counts
     assert (restarted["saved"], restarted["peak"]) in [(t["saved"], t["peak"]) for t in together]
+
+
+def test_keys_follow_remats_source(monkeypatch):
+    joint, n = _linear_joint((4, 6))
+    cpu = torch.device("cpu")
+    assert keys.source_digest() == keys.source_digest()  # stable within a process
+    before = keys.problem_key(joint, n, "roofline", cpu), keys.plan_key(chain(6), 1000, "auto")
+    monkeypatch.setattr(keys, "source_digest", lambda: "an edited checkout")
+    after = keys.problem_key(joint, n, "roofline", cpu), keys.plan_key(chain(6), 1000, "auto")
+    assert before[0] != after[0] and before[1] != after[1]
