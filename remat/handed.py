@@ -39,7 +39,8 @@ class Handed:
     outside: OutsideMemory
     sections: list
     ended: bool = False
-    gradients: dict[int, _Gradient] = field(default_factory=dict)
+    gradients: list[_Gradient] = field(default_factory=list)
+    _alive: dict[int, _Gradient] = field(default_factory=dict)  # by storage, while alive
 
     def returned(self, run: int, grads) -> None:
         """Run ``run``'s backward returned ``grads``, ``(tensor, problem node)`` pairs."""
@@ -47,24 +48,26 @@ class Handed:
             if not isinstance(g, torch.Tensor) or node is None:
                 continue
             key = storage_key(g)
-            if key in self.gradients:
-                self.gradients[key].nodes.append(node)
+            if key in self._alive:
+                self._alive[key].nodes.append(node)
                 continue
             nbytes = self.outside.adopt(g)
             if nbytes:
-                self.gradients[key] = _Gradient(run, [node], nbytes, len(self.sections))
+                found = _Gradient(run, [node], nbytes, len(self.sections))
+                self.gradients.append(found)
+                self._alive[key] = found
                 weakref.finalize(g.untyped_storage(), self._died, key)
 
     def fed(self, tangents) -> None:
         """``tangents`` are fed to a backward starting now: a gradient among them is its
         problem's (``solvers.step.Link``) from here on."""
         for t in tangents:
-            found = isinstance(t, torch.Tensor) and self.gradients.get(storage_key(t))
+            found = isinstance(t, torch.Tensor) and self._alive.get(storage_key(t))
             if found and found.end is None:
                 found.end, found.fed = len(self.sections), True
 
     def _died(self, key: int) -> None:
-        found = self.gradients.get(key)
+        found = self._alive.pop(key, None)  # its key may name a new storage from now on
         if found is not None and found.end is None and not self.ended:
             found.end = len(self.sections)
 
@@ -75,7 +78,7 @@ class Handed:
         the gradient nodes code outside freed before the step ended."""
         levels, peaks = list(levels), list(peaks)
         freed: dict[int, set[int]] = {}
-        for g in self.gradients.values():
+        for g in self.gradients:
             if g.end is not None and not g.fed:
                 freed.setdefault(g.run, set()).update(g.nodes)
                 continue

@@ -82,7 +82,7 @@ class OutsideMemory(TorchDispatchMode):
         for t in tensors:
             storage = t.untyped_storage()
             key = storage._cdata
-            if key in self.resized:
+            if key in self.resized and self.resized[key][0]() is storage:
                 continue
             if key not in self.live:
                 self.live[key] = 0
