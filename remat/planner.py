@@ -140,7 +140,7 @@ class Planner:
         baseline = store_all(problem)
         held = self.held_now()
         limit = self._graph_budget(baseline.peak, held)
-        candidates = self._candidates(joint, num_fwd_outputs, extracted)
+        candidates = functools.partial(self._candidates, joint, num_fwd_outputs, extracted)
         plan = self._first_plan(problem, limit, name, held, candidates)
         solved_at = time.perf_counter()
         fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
@@ -202,7 +202,7 @@ class Planner:
         return {} if saved is None else {TORCH_CANDIDATE: saved}
 
     def _first_plan(
-        self, problem, limit: int, name: str, held: int, candidates: dict | None = None
+        self, problem, limit: int, name: str, held: int, candidates: Callable | None = None
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits). Where
         none fits and the step is planned as one at its end (which then fits the budget or

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from .budget import Budget, BudgetLike
 from .chain import lowest_chain_peak, revolve, sqrt
-from .cpsat import cpsat
+from .cpsat import GAP_LIMIT, cpsat
 from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
 from .plan import Plan, evaluate, with_bound
@@ -93,14 +93,16 @@ def solve(
     problem: Problem,
     budget: BudgetLike,
     solver: str | Solver = "auto",
-    candidates: Mapping[str, Iterable[int]] | None = None,
+    candidates: Callable[[], Mapping[str, Iterable[int]]] | None = None,
 ) -> Plan:
     """Plan ``problem`` under ``budget`` (a ``Budget``, or what ``Budget.parse`` reads).
 
     ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``.
-    ``candidates`` name saved sets found elsewhere (torch's own partition): one that fits
-    and costs less than the solver's plan is returned instead, under the name and with
-    the solver's bound (a bound on every plan); one ``schedule`` refuses is skipped.
+    ``candidates`` gives saved sets found elsewhere, by name (torch's own partition): one
+    that fits and costs less than the solver's plan is returned instead, under the name and
+    with the solver's bound (a bound on every plan); one ``schedule`` refuses is skipped.
+    It is called only where the solver's bound does not prove its plan within ``GAP_LIMIT``
+    of every plan: a candidate could save no more than CP-SAT itself stops short of.
     No plan is taken on faith: each is derived again from its saved set (and its backward
     order, where it gives one) through ``schedule`` and ``simulate``, a plan whose peak,
     cost or programs differ from that is refused (``InvalidPlan``), and the budget is
@@ -119,7 +121,9 @@ def solve(
                 f"solver {solver!r} returned a plan peaking at {plan.peak} bytes, over the budget "
                 f"of {limit} bytes, which is feasible (remat reaches {minimum} bytes)"
             )
-        return _cheapest(problem, plan, limit, candidates or {})
+        if candidates is None or (plan.gap is not None and plan.gap <= GAP_LIMIT):
+            return plan
+        return _cheapest(problem, plan, limit, candidates())
 
 
 def _cheapest(

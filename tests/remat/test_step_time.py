@@ -15,6 +15,7 @@ from remat.errors import InvalidOption
 from remat.passes.min_cut import torch_saved
 from remat.planner import TORCH_CANDIDATE, Planner
 from remat.solvers import SOLVERS, evaluate, saved_bytes, store_all
+from remat.solvers.cpsat import GAP_LIMIT
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
@@ -110,8 +111,8 @@ def test_remat_is_never_costlier_than_torchs_partition_where_it_fits(joint, comp
     saved = torch_saved(joint[0], joint[1], graph.extracted)
     assert saved is not None and saved
     theirs = evaluate(graph.extracted.problem, saved, solver="torch")
-    if theirs.peak <= graph.budget:
-        assert graph.plan.cost <= theirs.cost + 1e-12
+    if theirs.peak <= graph.budget:  # taken where cheaper, unless proven within the limit
+        assert graph.plan.cost <= theirs.cost / (1 - GAP_LIMIT) + 1e-12
 
 
 def test_torchs_partition_is_taken_where_the_solver_does_worse(joint, monkeypatch):

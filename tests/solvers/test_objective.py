@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from remat.solvers import InvalidPlan, Node, Problem, evaluate, solve, store_all
-from remat.solvers.cpsat import cpsat
+from remat.solvers.cpsat import GAP_LIMIT, cpsat
 from remat.solvers.plan import save_cost, step_seconds
 
 
@@ -72,18 +72,28 @@ def test_a_cheaper_candidate_that_fits_is_taken_with_the_solvers_bound():
     full = store_all(problem)
     greedy_plan = solve(problem, full.peak, "store-all")
     assert greedy_plan.saved == {0, 1}
-    plan = solve(problem, full.peak, "store-all", candidates={"elsewhere": {1}})
+    plan = solve(problem, full.peak, "store-all", candidates=lambda: {"elsewhere": {1}})
     assert plan.solver == "elsewhere" and plan.saved == {1}
     assert plan.cost < greedy_plan.cost and plan.budget == full.peak
-    bounded = solve(problem, full.peak, "cpsat", candidates={"elsewhere": {0, 1}})
-    assert bounded.solver == "cpsat"  # costlier than CP-SAT's own: not taken
+    bounded = solve(problem, full.peak, "greedy", candidates=lambda: {"elsewhere": {0, 1}})
+    assert bounded.solver == "greedy"  # costlier than the solver's own: not taken
+
+
+def test_candidates_are_not_even_made_where_the_solver_proved_its_plan_near_optimal():
+    problem = chain(save=1.0)
+
+    def made():
+        raise AssertionError("no candidate can beat a plan proven within the gap limit")
+
+    plan = solve(problem, store_all(problem).peak, "cpsat", candidates=made)
+    assert plan.gap <= GAP_LIMIT
 
 
 def test_a_candidate_over_the_budget_or_that_cannot_run_is_not_taken():
     problem = chain(save=1.0)
     tight = evaluate(problem, {1}, solver="test").peak - 1
     assert solve(problem, tight, "greedy").peak <= tight
-    plan = solve(problem, tight, "greedy", candidates={"over": {1}, "invalid": {4}})
+    plan = solve(problem, tight, "greedy", candidates=lambda: {"over": {1}, "invalid": {4}})
     assert plan.solver == "greedy"
 
 
