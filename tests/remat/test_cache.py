@@ -267,13 +267,17 @@ def _processes(n: int, folder: Path, barrier: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_processes_planning_at_once_leave_one_entry_a_restart_reuses(tmp_path):
-    """Two processes plan the same model at once: each plans (neither finds an entry),
-    both write, and one whole entry of each kind remains; a third process reads both and
-    plans nothing, arriving at the same plan."""
+    """Two processes plan the same model at once: at least one finds no entry and plans
+    (the other too, unless the first wrote before it looked: a race the barrier narrows but
+    cannot close under load), and one whole entry of each kind remains; a third process
+    reads both and plans nothing, arriving at the same plan."""
     entries = tmp_path / "cache"
     together = _processes(2, entries, tmp_path / "barrier1")
     for run in together:
-        assert run["counts"].get("problem miss") == 1 and "problem hit" not in run["counts"]
+        counts = run["counts"]
+        assert counts.get("problem miss", 0) + counts.get("problem hit", 0) == 1, counts
+        assert not any(k.endswith("bad") for k in counts), counts
+    assert any(run["counts"].get("problem miss") == 1 for run in together)
     assert len(_entries(entries, "problem")) == 1
     assert len(_entries(entries, "plan")) >= 1
     assert not list(entries.glob(".*.tmp"))  # no temporary file left behind
