@@ -1,17 +1,20 @@
 """Plans on disk, so a restarted job skips the kernel measurements and solves an earlier
 process made (tracing still runs: dynamo has no cache for it).
 
-Two kinds of entry, one JSON file each, named by the hash of what determines it
+Three kinds of entry, one JSON file each, named by the hash of what determines it
 (``remat.keys``):
 
 - ``problem-<key>.json``: a joint graph's ``Problem``, with the bytes and times measured
   on the device;
 - ``plan-<key>.json``: the values a solver chose to save (and its backward order), under
-  one budget in bytes.
+  one budget in bytes;
+- ``candidates-<key>.json``: the values torch's own partition of the graph saves (a
+  candidate plan, ``remat.planner``), so a restarted process does not partition again.
 
 No entry is taken on faith. A problem must name the graph's nodes in order; a plan is
 derived again from its saved values (``evaluate``), must come out at the peak and cost it
-was stored with, and then goes through ``solvers.solve``'s check like any solver's. An
+was stored with, and then goes through ``solvers.solve``'s check like any solver's; so
+does a candidate. An
 entry that cannot be read or does not match is ignored with a debug log and rebuilt.
 Writes go to a temporary file in the same folder and then ``os.replace``: a reader sees
 the old entry or the whole new one, so processes planning at once never corrupt it.
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from remat.keys import plan_key, problem_key, solver_key
+from remat.keys import candidates_key, plan_key, problem_key, solver_key
 from remat.passes.extract import Extracted, problem_nodes
 from remat.solvers import Node, Plan, Problem, evaluate
 from remat.solvers.solve import solver_for
@@ -156,6 +159,30 @@ class PlanCache:
             return self._bad("plan", key, f"its peak {plan.peak} is over the budget {limit}")
         self.counts["plan hit"] += 1
         return plan
+
+    # ------------------------------------------------------------------ candidates
+
+    def candidates(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        build: Callable[[], dict[str, frozenset[int]]],
+    ) -> dict[str, frozenset[int]]:
+        """``joint``'s candidate saved sets by name from the cache, else ``build()``'s,
+        stored. Each is checked where it is used (``solvers.solve``), as a solver's plan."""
+        key = candidates_key(joint, num_fwd_outputs)
+        entry = self._read("candidates", key)
+        if entry is not None:
+            try:
+                found = {str(k): frozenset(int(i) for i in v) for k, v in entry["saved"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                self._bad("candidates", key, f"unreadable ({e})")
+            else:
+                self.counts["candidates hit"] += 1
+                return found
+        found = build()
+        self._write("candidates", key, {"saved": {k: sorted(v) for k, v in found.items()}})
+        return found
 
     # ------------------------------------------------------------------ files
 

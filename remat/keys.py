@@ -97,6 +97,12 @@ def problem_key(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: str, de
     )
 
 
+def candidates_key(joint: fx.GraphModule, num_fwd_outputs: int) -> str:
+    """The key of the saved sets other partitioners give ``joint`` (torch's): the graph
+    and the code alone, no cost model or device (torch's partition reads neither)."""
+    return digest("candidates", graph_text(joint, num_fwd_outputs), versions())
+
+
 def plan_key(problem: Problem, limit: int, solver: str) -> str:
     """The key of ``problem``'s plan under ``limit`` bytes by ``solver`` (``solver_key``).
     The problem's name is left out: it names the graph in messages only."""

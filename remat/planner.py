@@ -198,8 +198,14 @@ class Planner:
         docs/benchmarks.md, "Planning at LLM depth")."""
         if self.solver != "auto" or len(extracted.problem) >= REPEATED_MIN_NODES:
             return {}
-        saved = torch_saved(joint, num_fwd_outputs, extracted)
-        return {} if saved is None else {TORCH_CANDIDATE: saved}
+
+        def partition() -> dict[str, frozenset[int]]:
+            saved = torch_saved(joint, num_fwd_outputs, extracted)
+            return {} if saved is None else {TORCH_CANDIDATE: saved}
+
+        if self.cache is None:
+            return partition()
+        return self.cache.candidates(joint, num_fwd_outputs, partition)
 
     def _first_plan(
         self, problem, limit: int, name: str, held: int, candidates: Callable | None = None

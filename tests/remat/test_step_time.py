@@ -120,3 +120,32 @@ def test_torchs_partition_is_taken_where_the_solver_does_worse(joint, monkeypatc
     graph = plan_of(joint, 1.0, "inductor")
     assert graph.plan.solver == TORCH_CANDIDATE
     assert graph.plan.cost < store_all(graph.extracted.problem).cost
+
+
+def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, monkeypatch):
+    """torch's partition is computed once per graph, not again in each process."""
+    from remat import cache, planner
+
+    graph, n = joint
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return torch_saved(*args)
+
+    monkeypatch.setattr(planner, "torch_saved", counted)
+    monkeypatch.setitem(SOLVERS, "auto", SOLVERS["store-all"])  # never proven within 1%
+    plans = []
+    for _ in range(2):  # two processes sharing one folder
+        run = Planner(1.0, compiler="inductor", cache=cache.PlanCache(tmp_path))
+        run(copy.deepcopy(graph), None, num_fwd_outputs=n)
+        plans.append(run.graphs[0].plan)
+    assert len(calls) == 1 and run.cache.counts["candidates hit"] == 1
+    assert plans[0].solver == plans[1].solver == TORCH_CANDIDATE
+    assert plans[0].saved == plans[1].saved
+    # a damaged entry is partitioned again, never trusted
+    (entry,) = tmp_path.glob("candidates-*.json")
+    entry.write_text('{"format": 1, "key": "x"}')
+    run = Planner(1.0, compiler="inductor", cache=cache.PlanCache(tmp_path))
+    run(copy.deepcopy(graph), None, num_fwd_outputs=n)
+    assert len(calls) == 2 and run.graphs[0].plan.saved == plans[0].saved
