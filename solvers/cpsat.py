@@ -8,18 +8,23 @@ those steps are made exact before the first round. Then two phases share the tim
 
 1. the relaxation (prefix-sum memory chains, no exact backward), on one worker with
    CP-SAT's strongest LP, up to the whole limit once the greedy's plan fits (else up to
-   ``BOUND_SHARE``, leaving the exact model time to find a plan). Its optimum
-   is a lower bound on every plan's cost; its answer, repaired by ``descend`` when it
-   overflows and polished by ``fill``, is a candidate plan. While the answer overflows,
-   the backward steps where it does are made exact (``add_point``: cuts every plan
-   satisfies) or its forward overflow cut off, and the relaxation solved again: each
-   round's optimum is a stronger bound, and an answer that fits is optimal outright.
+   ``BOUND_SHARE``, leaving the exact model time to find a plan). Its optimum is a
+   lower bound on every plan's cost; its answer, repaired when it overflows (the
+   cheapest single flip that fits, else ``descend``) and polished by ``fill``, is a
+   candidate plan. While the answer overflows, the backward steps where it does are
+   made exact (``add_point``: cuts every plan satisfies) or its forward overflow cut
+   off, and the relaxation solved again: each round's optimum is a stronger bound, and
+   an answer that fits is optimal outright.
 2. the full model (the backward exact at every step, the forward relaxed), hinted
    with the best plan so far. An answer that overflows (in the forward) is cut off
    (``explain``, or that exact saved set) and the model solved again. Its deterministic
    time undercounts its work, so it gets the rest of the limit divided by
    ``EXACT_WEIGHT`` (not run below ``MIN_EXACT``), in full only when the greedy found
    no plan.
+
+With the default limit, where the plan is still not proven within ``gap_limit`` after
+both and a relaxation round was solved to its optimum, they run again for up to
+``EXTRA_LIMIT`` more (the relaxation keeps its points).
 
 Both phases stop once the incumbent is proven within ``gap_limit`` (1%) of the optimum:
 the relaxation from inside CP-SAT (a bound callback), not only between rounds.
@@ -47,7 +52,7 @@ import time
 from ortools.sat.python import cp_model
 
 from .errors import InfeasibleBudget
-from .heuristics import descend, fill, greedy
+from .heuristics import descend, fill, greedy, nearest_fit
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, format_bytes, with_bound
 from .problem import Problem
@@ -83,6 +88,10 @@ PROBES = 1
 # past its presolve to a bound (see docs/solver-notes.md, "Adopted": default limit).
 DEFAULT_LIMIT = 2.0
 NODES_PER_LIMIT_SECOND = 2_000
+# Deterministic seconds the default limit grows by where the plan is still not proven
+# within ``gap_limit``: real graphs whose first bound is loose close there (see
+# docs/solver-notes.md, "Adopted": more time where the gap is open).
+EXTRA_LIMIT = 8.0
 
 
 def default_time_limit(problem: Problem) -> float:
@@ -105,7 +114,9 @@ def cpsat(
     """Minimum recompute cost under ``budget`` bytes, with a proven lower bound.
 
     ``time_limit`` is in CP-SAT deterministic seconds over all rounds (see the
-    module docstring); by default ``default_time_limit(problem)``. The search stops
+    module docstring); by default ``default_time_limit(problem)``, and up to
+    ``EXTRA_LIMIT`` more where the plan is not proven within ``gap_limit`` by then (see
+    the module docstring; a given ``time_limit`` is the whole limit). The search stops
     earlier once the plan is proven within ``gap_limit`` of the optimum (``gap <=
     gap_limit``; 0 searches until optimal or out of time): a 1% better plan is rarely
     worth more seconds of planning.
@@ -116,8 +127,9 @@ def cpsat(
     solver found a plan under in ``probes`` bisection steps between ``budget`` and the
     greedy's minimum (a retry at it succeeds: the solver is deterministic).
     """
+    extra = 0.0
     if time_limit is None:
-        time_limit = default_time_limit(problem)
+        time_limit, extra = default_time_limit(problem), EXTRA_LIMIT
     if time_limit <= 0:
         raise ValueError(f"time_limit must be positive, got {time_limit}")
     if workers < 1:
@@ -163,6 +175,15 @@ def cpsat(
     exact_seconds = (time_limit - used) / weight
     if exact_seconds >= MIN_EXACT or search.best is None:
         search.exact_rounds(exact_seconds)
+    # 3. By default, more time where the plan is not proven within ``gap_limit``: the
+    #    relaxation goes on from its points, then the exact model from the best plan.
+    #    Only where a relaxation round was solved to its optimum: where none was, more
+    #    time did not move the bound (docs/solver-notes.md, "Adopted").
+    open_gap = search.best is not None and not search.proven and not search.close_enough
+    if extra and open_gap and search.rounds_solved:
+        used = search.bound_round(relax, extra, capped=False)
+        if (extra - used) / weight >= MIN_EXACT:
+            search.exact_rounds((extra - used) / weight)
     best = search.best
     if best is not None and not search.proven:
         if not search.polished:
@@ -204,6 +225,7 @@ class _Search:
         self.problem, self.budget, self.best = problem, budget, best
         self.workers, self.seed, self.log, self.gap_limit = workers, seed, log, gap_limit
         self.bound, self.proven = 0.0, False
+        self.rounds_solved = 0  # relaxation rounds solved to their optimum
         self.polished = best is not None  # ``best`` went through ``fill`` already
 
     @property
@@ -218,8 +240,11 @@ class _Search:
             self.best, self.polished = plan, polished
 
     def repair(self, plan: Plan) -> Plan:
-        """An overflowing answer pushed under the budget, then polished back up."""
-        fixed = descend(self.problem, plan, self.budget)
+        """An overflowing answer pushed under the budget (by its cheapest single flip
+        that fits, else ``descend``), then polished back up."""
+        fixed = nearest_fit(self.problem, plan, self.budget)
+        if fixed is None:
+            fixed = descend(self.problem, plan, self.budget)
         return fill(self.problem, fixed, self.budget) if fixed.peak <= self.budget else fixed
 
     def solve(self, relax: Relaxation, seconds: float, gap_limit: float = 0.0):
@@ -242,6 +267,8 @@ class _Search:
             self.offer(answer)
             if solver.BestObjectiveBound() < solver.ObjectiveValue():
                 status = cp_model.FEASIBLE  # stopped at the gap limit, not proven
+        if not relax.exact and status == cp_model.OPTIMAL:
+            self.rounds_solved += 1
         return status, answer, solver.ResponseProto().deterministic_time
 
     def _stop_when_close_enough(self, solver: cp_model.CpSolver, scale: float) -> None:

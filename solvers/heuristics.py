@@ -212,6 +212,32 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
     return plan
 
 
+def nearest_fit(problem: Problem, plan: Plan, target: int) -> Plan | None:
+    """The cheapest plan one flip away from ``plan`` that fits ``target``, or None.
+
+    The repair for an answer just over the budget (a relaxation's: it misses by a
+    fraction of a percent): ``descend`` takes the flip that lowers the peak most, which
+    can cost far more than the overflow needs. The flips are ``descend``'s (values live
+    at the peak), those that alone could free the overflow first, then the cheapest to
+    recompute; at most ``FILL_TRIALS`` simulations (see docs/solver-notes.md,
+    "Adopted": the cheapest single flip first).
+    """
+    storage, nodes = problem.storage, problem.nodes
+    movable = savable(problem)
+    live = plan.timeline.live_at_peak
+    over = plan.peak - target
+    flips = sorted(
+        (
+            i
+            for i in plan.saved | plan.recomputed
+            if i in movable and storage[i] in live and nodes[i].recomputable
+        ),
+        key=lambda i: (i in plan.saved and nodes[storage[i]].bytes < over, nodes[i].cost, i),
+    )
+    fits = (evaluate(problem, plan.saved ^ {i}, solver=plan.solver) for i in flips[:FILL_TRIALS])
+    return min((t for t in fits if t.peak <= target), key=lambda t: (t.cost, t.peak), default=None)
+
+
 def _better_flips(problem: Problem, plan: Plan, flips: list[int]) -> list[Plan]:
     """``plan`` with each of ``flips`` flipped, kept where that lowers its peak, or keeps
     the peak and lowers its ``_area``."""

@@ -637,3 +637,28 @@ def test_the_default_time_limit_grows_with_the_graph_beyond_4000_nodes():
     """At 10,000 nodes a limit of 2 ends inside CP-SAT's presolve, with no bound at all."""
     assert default_time_limit(random_joint(60, 0)) == 2.0
     assert default_time_limit(layered(227)) == len(layered(227)) / 2_000 > 4.9
+
+
+@pytest.mark.parametrize("solved", [0, 1])
+@pytest.mark.parametrize("given_limit", [None, 1.0])
+def test_more_time_goes_only_to_an_open_gap_under_the_default_limit(
+    monkeypatch, solved, given_limit
+):
+    """``EXTRA_LIMIT`` is spent only with the default limit, while the plan is not proven
+    within ``gap_limit``, and only after a relaxation round was solved to its optimum."""
+    from remat.solvers import cpsat as module
+
+    problem = layered(2)
+    budget = store_all(problem).peak * 6 // 10
+    rounds = []
+
+    def unproven_round(self, relax, seconds, capped):  # a round that proves nothing
+        rounds.append(seconds)
+        self.rounds_solved += solved
+        return seconds
+
+    monkeypatch.setattr(module._Search, "bound_round", unproven_round)
+    monkeypatch.setattr(module._Search, "exact_rounds", lambda self, seconds: None)
+    cpsat(problem, budget, time_limit=given_limit, gap_limit=0.0)
+    extended = given_limit is None and solved
+    assert rounds[1:] == ([module.EXTRA_LIMIT] if extended else [])

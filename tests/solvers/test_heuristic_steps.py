@@ -9,12 +9,14 @@ from test_properties import any_problem
 
 from remat.solvers import Node, Problem, evaluate, store_all
 from remat.solvers.heuristics import (
+    FILL_TRIALS,
     _drop_saves,
     _ranked_groups,
     _victims,
     descend,
     fill,
     greedy,
+    nearest_fit,
     savable,
 )
 from remat.solvers.problem import without_free_views
@@ -98,6 +100,58 @@ def test_descend_stops_only_where_no_single_flip_lowers_the_peak(problem):
     for i in plan.saved | plan.recomputed:
         if i in movable and problem.storage[i] in live and problem.nodes[i].recomputable:
             assert evaluate(problem, plan.saved ^ {i}, solver="t").peak >= plan.peak
+
+
+def _two_saved_one_costly() -> Problem:
+    """Two saved values live at the backward's peak: the larger costs 50 to recompute,
+    the smaller 1, and freeing either fits a budget just under the peak."""
+    nodes = [
+        Node("x", "fwd", 10, 1.0),
+        Node("costly", "fwd", 20, 50.0, (0,)),
+        Node("cheap", "fwd", 10, 1.0, (0,)),
+        Node("loss", "fwd", 4, 1.0, (1, 2)),
+        Node("tangent", "bwd", 4),
+        Node("g1", "bwd", 200, 1.0, (4,)),  # the peak
+        Node("g2", "bwd", 4, 1.0, (5,)),
+        Node("grad", "bwd", 4, 1.0, (6, 1, 2)),
+    ]
+    return Problem(nodes, outputs=(3,), grads=(7,))
+
+
+def test_nearest_fit_takes_the_cheapest_flip_where_descend_takes_the_largest():
+    problem = _two_saved_one_costly()
+    start = store_all(problem)
+    target = start.peak - 5
+    largest, cheapest = descend(problem, start, target), nearest_fit(problem, start, target)
+    assert largest.peak <= target and cheapest.peak <= target
+    assert {problem.nodes[i].name for i in cheapest.saved} == {"costly"}
+    assert cheapest.cost < largest.cost  # 2 (cheap and its input) against 51
+    assert nearest_fit(problem, start, start.peak - 11).saved == largest.saved  # only one fits
+    assert nearest_fit(problem, start, start.peak - 1000) is None
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(problem=any_problem(80), over=st.integers(1, 200))
+def test_nearest_fit_is_the_cheapest_single_flip_of_the_live_values_that_fits(problem, over):
+    start = evaluate(problem, without_free_views(problem, store_all(problem).saved), solver="t")
+    target = start.peak - over
+    found = nearest_fit(problem, start, target)
+    live, movable = start.timeline.live_at_peak, savable(problem)
+    flips = [
+        i
+        for i in start.saved | start.recomputed
+        if i in movable and problem.storage[i] in live and problem.nodes[i].recomputable
+    ]
+    fitting = [evaluate(problem, start.saved ^ {i}, solver="t") for i in flips]
+    fitting = [t for t in fitting if t.peak <= target]
+    if len(flips) > FILL_TRIALS:
+        return  # capped: not every flip is tried
+    if not fitting:
+        assert found is None
+        return
+    assert found.peak <= target
+    assert found.cost == min(t.cost for t in fitting)
+    assert found.saved in {t.saved for t in fitting}
 
 
 def _stuck_where_no_flip_lowers_the_peak(problem, plan):
