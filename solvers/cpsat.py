@@ -23,8 +23,7 @@ those steps are made exact before the first round. Then two phases share the tim
    no plan.
 
 With the default limit, where the plan is still not proven within ``gap_limit`` after
-both and a relaxation round was solved to its optimum, they run again for up to
-``EXTRA_LIMIT`` more (the relaxation keeps its points).
+both, they run again for up to ``EXTRA_LIMIT`` more (the relaxation keeps its points).
 
 Both phases stop once the incumbent is proven within ``gap_limit`` (1%) of the optimum:
 the relaxation from inside CP-SAT (a bound callback), not only between rounds.
@@ -177,10 +176,7 @@ def cpsat(
         search.exact_rounds(exact_seconds)
     # 3. By default, more time where the plan is not proven within ``gap_limit``: the
     #    relaxation goes on from its points, then the exact model from the best plan.
-    #    Only where a relaxation round was solved to its optimum: where none was, more
-    #    time did not move the bound (docs/solver-notes.md, "Adopted").
-    open_gap = search.best is not None and not search.proven and not search.close_enough
-    if extra and open_gap and search.rounds_solved:
+    if extra and search.best is not None and not search.proven and not search.close_enough:
         used = search.bound_round(relax, extra, capped=False)
         if (extra - used) / weight >= MIN_EXACT:
             search.exact_rounds((extra - used) / weight)
@@ -225,7 +221,6 @@ class _Search:
         self.problem, self.budget, self.best = problem, budget, best
         self.workers, self.seed, self.log, self.gap_limit = workers, seed, log, gap_limit
         self.bound, self.proven = 0.0, False
-        self.rounds_solved = 0  # relaxation rounds solved to their optimum
         self.polished = best is not None  # ``best`` went through ``fill`` already
 
     @property
@@ -267,8 +262,6 @@ class _Search:
             self.offer(answer)
             if solver.BestObjectiveBound() < solver.ObjectiveValue():
                 status = cp_model.FEASIBLE  # stopped at the gap limit, not proven
-        if not relax.exact and status == cp_model.OPTIMAL:
-            self.rounds_solved += 1
         return status, answer, solver.ResponseProto().deterministic_time
 
     def _stop_when_close_enough(self, solver: cp_model.CpSolver, scale: float) -> None:
