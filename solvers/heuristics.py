@@ -188,14 +188,8 @@ def descend(problem: Problem, plan: Plan, target: int) -> Plan:
         plan = evaluate(problem, roots, solver=plan.solver, status=plan.status)
     stuck, flat = plan, 0  # where the current plateau run started, and its length
     while plan.peak > target:
-        live = plan.timeline.live_at_peak
         flips = sorted(
-            (
-                i
-                for i in plan.saved | plan.recomputed
-                if i in movable and storage[i] in live and nodes[i].recomputable
-            ),
-            key=lambda i: (-nodes[storage[i]].bytes, i),
+            _flips_at_peak(problem, plan, movable), key=lambda i: (-nodes[storage[i]].bytes, i)
         )
         better = _better_flips(problem, plan, flips[:DESCEND_FLIPS])
         if not flat and not any(t.peak < plan.peak for t in better):
@@ -223,19 +217,24 @@ def nearest_fit(problem: Problem, plan: Plan, target: int) -> Plan | None:
     "Adopted": the cheapest single flip first).
     """
     storage, nodes = problem.storage, problem.nodes
-    movable = savable(problem)
-    live = plan.timeline.live_at_peak
     over = plan.peak - target
     flips = sorted(
-        (
-            i
-            for i in plan.saved | plan.recomputed
-            if i in movable and storage[i] in live and nodes[i].recomputable
-        ),
+        _flips_at_peak(problem, plan, savable(problem)),
         key=lambda i: (i in plan.saved and nodes[storage[i]].bytes < over, nodes[i].cost, i),
     )
     fits = (evaluate(problem, plan.saved ^ {i}, solver=plan.solver) for i in flips[:FILL_TRIALS])
     return min((t for t in fits if t.peak <= target), key=lambda t: (t.cost, t.peak), default=None)
+
+
+def _flips_at_peak(problem: Problem, plan: Plan, movable: frozenset[int]) -> list[int]:
+    """Values whose flip (save a recomputed one, recompute a saved one) can move the peak:
+    movable, recomputable, their storage live at the peak."""
+    live, nodes, storage = plan.timeline.live_at_peak, problem.nodes, problem.storage
+    return [
+        i
+        for i in plan.saved | plan.recomputed
+        if i in movable and storage[i] in live and nodes[i].recomputable
+    ]
 
 
 def _better_flips(problem: Problem, plan: Plan, flips: list[int]) -> list[Plan]:
