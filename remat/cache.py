@@ -14,8 +14,8 @@ Three kinds of entry, one JSON file each, named by the hash of what determines i
 No entry is taken on faith. A problem must name the graph's nodes in order; a plan is
 derived again from its saved values (``evaluate``), must come out at the peak and cost it
 was stored with, and then goes through ``solvers.solve``'s check like any solver's; so
-does a candidate. An
-entry that cannot be read or does not match is ignored with a debug log and rebuilt.
+does a candidate. An entry that cannot be read or does not match is ignored with a debug
+log and rebuilt.
 Writes go to a temporary file in the same folder and then ``os.replace``: a reader sees
 the old entry or the whole new one, so processes planning at once never corrupt it.
 
