@@ -102,20 +102,28 @@ def test_descend_stops_only_where_no_single_flip_lowers_the_peak(problem):
             assert evaluate(problem, plan.saved ^ {i}, solver="t").peak >= plan.peak
 
 
-def _two_saved_one_costly() -> Problem:
-    """Two saved values live at the backward's peak: the larger costs 50 to recompute,
-    the smaller 1, and freeing either fits a budget just under the peak."""
+def _two_read_last(first: Node, second: Node, x_cost: float, loss_cost: float) -> Problem:
+    """``first`` and ``second`` (made from an input ``x``) read by the loss and by the
+    backward's last step only: if saved, they are live at its peak, a 200-byte step
+    before; recomputed, they are not."""
     nodes = [
-        Node("x", "fwd", 10, 1.0),
-        Node("costly", "fwd", 20, 50.0, (0,)),
-        Node("cheap", "fwd", 10, 1.0, (0,)),
-        Node("loss", "fwd", 4, 1.0, (1, 2)),
+        Node("x", "fwd", 10, x_cost),
+        first,
+        second,
+        Node("loss", "fwd", 4, loss_cost, (1, 2)),
         Node("tangent", "bwd", 4),
         Node("g1", "bwd", 200, 1.0, (4,)),  # the peak
         Node("g2", "bwd", 4, 1.0, (5,)),
         Node("grad", "bwd", 4, 1.0, (6, 1, 2)),
     ]
     return Problem(nodes, outputs=(3,), grads=(7,))
+
+
+def _two_saved_one_costly() -> Problem:
+    """Two saved values live at the backward's peak: the larger costs 50 to recompute,
+    the smaller 1, and freeing either fits a budget just under the peak."""
+    costly, cheap = Node("costly", "fwd", 20, 50.0, (0,)), Node("cheap", "fwd", 10, 1.0, (0,))
+    return _two_read_last(costly, cheap, x_cost=1.0, loss_cost=1.0)
 
 
 def test_nearest_fit_takes_the_cheapest_flip_where_descend_takes_the_largest():
@@ -210,17 +218,8 @@ def test_dropping_saves_frees_storages_also_saved_through_views():
 def test_fill_per_byte_tries_the_cheapest_bytes_first():
     """Saving the costly 100-byte value back overflows the budget; the 1-byte one fits.
     With one trial, costliest first spends it on the first, per byte on the second."""
-    nodes = [
-        Node("x", "fwd", 10, 0.5),
-        Node("big", "fwd", 100, 2.0, (0,)),
-        Node("tiny", "fwd", 1, 1.0, (0,)),
-        Node("loss", "fwd", 4, 0.1, (1, 2)),
-        Node("tangent", "bwd", 4),
-        Node("g1", "bwd", 200, 1.0, (4,)),  # the peak: what is saved is live here
-        Node("g2", "bwd", 4, 1.0, (5,)),
-        Node("grad", "bwd", 4, 1.0, (6, 1, 2)),
-    ]
-    problem = Problem(nodes, outputs=(3,), grads=(7,))
+    big, tiny = Node("big", "fwd", 100, 2.0, (0,)), Node("tiny", "fwd", 1, 1.0, (0,))
+    problem = _two_read_last(big, tiny, x_cost=0.5, loss_cost=0.1)
     plan = evaluate(problem, (), solver="t")
     budget = plan.peak + 1
     assert fill(problem, plan, budget, max_trials=1).recompute_cost == plan.recompute_cost
