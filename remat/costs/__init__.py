@@ -39,6 +39,7 @@ from .measured import (
     kernel_memory,
     profile_seconds,
     scratch_measurable,
+    shared_inputs,
 )
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "profile_seconds",
     "random_numbers",
     "scratch_measurable",
+    "shared_inputs",
 ]
 
 # roofline: time estimated from flops and bytes (``device``); profile: each distinct
