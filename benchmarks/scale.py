@@ -14,8 +14,9 @@ the built-in ``gpt`` at GPT-2 small's sizes (``--model gpt``), twice from a fres
   kernel measured), "solve s", "rewrite s" from the plan's report.
 
 Both compile their programs as plain fx ("eager"), so "first step s" (trace, plan or
-partition, and one forward and backward) differs by what each planner does. "gap" is
-the plan's recompute cost over its proven lower bound (empty when none was proven).
+partition, and one forward and backward) differs by what each planner does. "plan cost"
+is the plan's step-time cost (recompute plus save seconds, ``Plan.cost``), "gap" its
+excess over the proven lower bound (empty when none was proven).
 ``--save-problems DIR`` pickles each graph's ``solvers.Problem`` for solver work offline.
 """
 
@@ -88,7 +89,7 @@ def remat_row(model, inputs, budget: float, save: Path | None, tag: str) -> dict
     graphs = optimized.remat.report().graphs
     phase = {k: sum(g.phase_seconds[k] for g in graphs) for k in ("extract", "solve", "rewrite")}
     plans = [g.plan for g in graphs]
-    cost = sum(p.recompute_cost for p in plans)
+    cost = sum(p.cost for p in plans)  # recompute + save seconds: what the bound bounds
     bounds = [p.bound for p in plans]
     gap = None if None in bounds else (cost - sum(bounds)) / cost if cost else 0.0
     if save:
