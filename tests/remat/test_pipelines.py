@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,11 +66,21 @@ def test_mixed_precision_with_accumulation_keeps_budget_and_eagers_gradients(pre
 
 
 def _run(*command: str, timeout: int = 300) -> str:
-    done = subprocess.run(
-        [sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    """The command's stdout. Past ``timeout`` every process it started dumps its Python
+    stacks (faulthandler on SIGABRT) and the test fails with them: a hung rank says where."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(
+        [sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    ) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGABRT)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"timed out after {timeout}s; stacks:\n{stderr[-20000:]}\n{stdout[-2000:]}")
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
 
 
 @pytest.mark.slow
