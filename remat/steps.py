@@ -108,6 +108,13 @@ class Graph:
     def problem(self):
         return self.record.extracted.problem
 
+    @functools.cached_property
+    def output_nodes(self) -> tuple[int | None, ...]:
+        """Per forward output (what the forward program returns first), its problem node."""
+        where = {n.name: i for i, n in enumerate(self.record.extracted.fx_nodes)}
+        outs = self.joint.graph.output_node().args[0][: self.num_fwd_outputs]
+        return tuple(where.get(o.name) if isinstance(o, fx.Node) else None for o in outs)
+
     def program_for(self, plan: Plan) -> int:
         """The index of the program running ``plan``'s schedule, built if new."""
         for k, p in enumerate(self.programs):
@@ -165,6 +172,9 @@ class _Recording:
     links: list[Link] = field(default_factory=list)
     irregular: str = ""  # why the step cannot be planned as one, if it cannot
     handed: Handed | None = None  # the gradients the backwards returned, once returned
+    # (run, output node) -> the section before which the caller dropped that output, where
+    # it did so before the first backward (``solvers.step.Step.released``)
+    released: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.outside is not None:
@@ -177,6 +187,23 @@ class _Recording:
     @property
     def waiting(self) -> int:
         return sum(not r.done for r in self.runs)
+
+    def watch_outputs(self, position: int, graph: Graph, outs: Sequence) -> None:
+        """Note where the caller drops run ``position``'s outputs: one dropped before the
+        backwards begin (the logits beside a loss) is not held through them."""
+        by_storage: dict = {}
+        for t, node in zip(outs, graph.output_nodes, strict=False):
+            key = storage_of(t)
+            if key is not None and node is not None:
+                by_storage.setdefault(key, (t, []))[1].append(node)
+        for t, nodes in by_storage.values():
+            weakref.finalize(t.untyped_storage(), self._dropped_output, position, tuple(nodes))
+
+    def _dropped_output(self, position: int, nodes: tuple[int, ...]) -> None:
+        if self.backward_order:
+            return  # held into the backwards: as the problem holds it
+        for node in nodes:
+            self.released[position, node] = len(self.levels)  # the section running now
 
 
 class StepRunner:
@@ -231,6 +258,8 @@ class StepRunner:
             k = self._choose(step, graph)
             self._section(step)
             outs = list(graph.programs[k].forward(args))
+            if step.outside is not None:
+                step.watch_outputs(len(step.runs), graph, outs[: graph.num_fwd_outputs])
             self._runs += 1
             marker = torch.empty((0, self._runs, k))
             weakref.finalize(marker, self._dropped, self._runs)
@@ -419,7 +448,9 @@ class StepRunner:
         with self.paused():
             self.plans.append(self._solve(step))
 
-    def _solve(self, step: _Recording) -> StepPlan:
+    def _solve(self, step: _Recording, release: bool = True) -> StepPlan:
+        """The step's joint plan; with ``release``, counting the outputs its caller dropped
+        before the backwards as freed there (``Step.released``)."""
         runs = step.runs
         levels, peaks, freed = step.handed.planned(step.levels, step.peaks)
         problems = tuple(
@@ -427,13 +458,15 @@ class StepRunner:
         )
         order = tuple(step.backward_order)
         accumulate = _accumulate(runs, order)
-        shape = Step(problems, order, tuple(step.links), accumulate, Outside(levels, peaks))
+        released = tuple((r, i, s) for (r, i), s in sorted(step.released.items()))
+        outside = Outside(levels, peaks)
+        shape = Step(
+            problems, order, tuple(step.links), accumulate, outside, released if release else ()
+        )
         names = ", ".join(r.graph.name for r in runs)
         composed = compose(shape, name=f"step ({names})")
         used = tuple(r.graph.programs[r.program].plan for r in runs)
-        saved = joint_saved(composed, tuple(p.saved for p in used))
-        order = joint_order(composed, used) if any(p.ordered for p in used) else None
-        first = evaluate(composed.problem, saved, backward=order, solver="compile-time")
+        first = _as_run(composed, used, "compile-time")
         log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
         limit = _limit(self.budget, composed)
         if len(runs) == 1 and first.peak <= limit:
@@ -459,10 +492,25 @@ class StepRunner:
                 r.graph.program_for(evaluate(r.graph.problem, s, backward=o, solver=plan.solver))
                 for r, s, o in zip(runs, saved, orders, strict=True)
             )
+            if shape.released:
+                # a run's program still hands a held output its backward reads over to
+                # it: the step's plan is what the programs run, checked against the limit
+                ran = tuple(r.graph.programs[k].plan for r, k in zip(runs, programs, strict=True))
+                again = _as_run(composed, ran, plan.solver)
+                if again.peak > limit:
+                    return self._solve(step, release=False)
+                plan = dataclasses.replace(again, status=plan.status, bound=plan.bound)
             log.info("remat: step (%s) planned as one: %s", names, plan)
         return StepPlan(
             tuple(r.graph.name for r in runs), programs, composed, plan, first.peak, limit
         )
+
+
+def _as_run(composed: Composed, plans: tuple[Plan, ...], solver: str) -> Plan:
+    """The plan of ``composed`` that runs each run's own ``plans[r]``."""
+    saved = joint_saved(composed, tuple(p.saved for p in plans))
+    order = joint_order(composed, plans) if any(p.ordered for p in plans) else None
+    return evaluate(composed.problem, saved, backward=order, solver=solver)
 
 
 def _kept(first: Plan, compiled: Plan, limit: int) -> Plan:

@@ -15,7 +15,10 @@ saved. ``compose`` lays those sections end to end as one ``Problem``:
   gradient into one a later run left in ``.grad`` (a new tensor before the old is freed);
 - ``Outside``: memory that code between the runs holds (a loss computed on the returned
   logits, the glue at a graph break), measured per section, as synthetic values that
-  no plan can drop: a level live through each section and a peak just before it.
+  no plan can drop: a level live through each section and a peak just before it;
+- ``released``: a run's output the caller dropped before the backwards began (the
+  logits a Hugging Face model returns beside its loss) is freed after the peak of the
+  section it died in, not held to the end like the outputs the caller keeps.
 
 Synthetic nodes are named ``outside:*`` and ``accumulate:*``; they cost nothing and are
 never recomputed.
@@ -64,6 +67,9 @@ class Step:
     links: tuple[Link, ...] = ()
     accumulate: tuple[int, ...] = ()  # per run, bytes; empty means none
     outside: Outside | None = None
+    # (run, output node, section): the caller dropped that output in the code before
+    # section ``section`` (at most the first backward's)
+    released: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.runs)
@@ -76,6 +82,12 @@ class Step:
         if self.outside is not None:
             if len(self.outside.level) != 2 * n or len(self.outside.peak) != 2 * n + 1:
                 raise ValueError(f"outside needs {2 * n} levels and {2 * n + 1} peaks")
+        for r, i, section in self.released:
+            if not 0 <= r < n or i not in self.runs[r].outputs or not r < section <= n:
+                raise ValueError(
+                    f"released ({r}, {i}, {section}): an output of a run, dropped after its "
+                    f"forward and before the first backward (section {r + 1} to {n})"
+                )
         done = set()
         for r in self.backward_order:
             done.add(r)
@@ -108,6 +120,7 @@ def compose(step: Step, name: str = "step") -> Composed:
     links = [k for k in step.links if runs[k.target].consumers[k.tangent]]
     feeds = {(link.target, link.tangent): link for link in links}
     fed = {(link.source, link.grad) for link in links}
+    released = {(r, i): section for r, i, section in step.released}
 
     def add(node: Node, *, keep: bool = False) -> int:
         nodes.append(node)
@@ -125,6 +138,9 @@ def compose(step: Step, name: str = "step") -> Composed:
         transient = outside.peak[s] - continuing
         if transient > 0:
             add(Node(f"outside:peak{s}", phase, workspace=transient), keep=True)
+        dropped = [index[r][i] for (r, i), section in released.items() if section == s]
+        if dropped:  # alive through the section's peak: when it died in it is not known
+            add(Node(f"outside:drop{s}", phase, inputs=tuple(dropped)), keep=True)
         for k, (start, end, b) in enumerate(intervals):
             if start == s:
                 node = Node(f"outside:held{s}.{k}", phase, bytes=b, recomputable=False)
@@ -151,7 +167,7 @@ def compose(step: Step, name: str = "step") -> Composed:
             add(Node(f"accumulate:{r}", "bwd", workspace=step.accumulate[r]), keep=True)
     outside_before(2 * n)
     for r, problem in enumerate(runs):
-        outputs += [index[r][i] for i in problem.outputs]
+        outputs += [index[r][i] for i in problem.outputs if (r, i) not in released]
         grads += [index[r][i] for i in problem.grads if (r, i) not in fed]
     problem = Problem(
         tuple(nodes),

@@ -120,6 +120,43 @@ def test_a_loss_outside_the_model_is_in_the_plan(form):
     _same_gradients(model, step, x, y)
 
 
+class _WithLogits(torch.nn.Module):
+    """The loss and the logits, as a Hugging Face model called with labels returns them."""
+
+    def __init__(self, classes: int = 512):
+        super().__init__()
+        self.body, self.head = _mlp((64, 256, 256, 256)), torch.nn.Linear(256, classes)
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits, y), logits
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_logits_returned_beside_the_loss_count_while_the_caller_holds_them(keep):
+    """Logits the caller drops before the backward (``loss = model(x, y)[0]``) are freed
+    there in the step's plan, as they are at run time; held through it, they count to
+    the end. Either way the measured peak is the predicted one."""
+    torch.manual_seed(0)
+    model, (x, y) = _WithLogits(), _data()
+    optimized = remat.optimize(model, budget=0.8)
+
+    def step():
+        loss, logits = optimized(x, y)
+        if not keep:
+            del logits
+        loss.backward()
+
+    peaks = _steps(step, model)
+    report = optimized.remat.report()
+    assert peaks == [report.predicted_peak] * 3
+    assert report.predicted_peak <= report.steps[0].budget
+    released = optimized.remat.steps.plans[0].composed.problem.outputs
+    logits_bytes = x.shape[0] * 512 * 4
+    held = [i for i in released if report.steps[0].composed.problem.nodes[i].bytes == logits_bytes]
+    assert bool(held) == keep  # the logits are a held output only while the caller holds them
+
+
 def test_graph_breaks_are_planned_together_under_one_budget():
     """Three graph breaks: four graphs, one step, one plan; the first step runs the
     compile-time plans, whose peak the report predicts."""

@@ -67,6 +67,21 @@ def test_outside_memory_is_held_through_the_sections_it_spans():
     assert through == base + 1000
 
 
+def test_an_output_the_caller_dropped_is_freed_after_its_sections_peak():
+    """y (the logits beside a loss) dropped in the code before the backward: alive through
+    that section's peak, then freed, not held to the step's end."""
+    outside = Outside(level=(0, 0), peak=(0, 5000, 0))
+    held = store_all(compose(Step((_layer(),), (0,), outside=outside)).problem)
+    dropped = store_all(
+        compose(Step((_layer(),), (0,), outside=outside, released=((0, 2, 1),))).problem
+    )
+    assert dropped.timeline.peak == held.timeline.peak == 300 + 5000  # y alive at the peak
+    # the backward: x, h saved, the tangent, dh; y no longer among them
+    assert [live for phase, _, live in dropped.timeline.steps if phase == "bwd"] == [
+        live - 100 for phase, _, live in held.timeline.steps if phase == "bwd"
+    ]
+
+
 def _composed(outside: Outside) -> Problem:
     return compose(Step((_layer(),), (0,), outside=outside)).problem
 
@@ -94,3 +109,7 @@ def test_bad_steps_are_refused():
         Step((_layer(), _layer()), (0, 1), (Link(1, 5, 0, 3),))
     with pytest.raises(ValueError, match="levels"):
         Step((_layer(),), (0,), outside=Outside((0,), (0, 0)))
+    with pytest.raises(ValueError, match="released"):
+        Step((_layer(),), (0,), released=((0, 1, 1),))  # h is not an output
+    with pytest.raises(ValueError, match="released"):
+        Step((_layer(),), (0,), released=((0, 2, 2),))  # dropped after the backward began
