@@ -15,6 +15,7 @@ def write_rows(rows: list[dict], json_path: Path | None, csv_path: Path | None) 
     if csv_path and rows:
         csv_path.parent.mkdir(parents=True, exist_ok=True)
         with csv_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            fields = list(dict.fromkeys(k for row in rows for k in row))  # a refusal's too
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
