@@ -88,3 +88,8 @@ def _outcome(mine, plan: Plan | None) -> tuple:
 
 def _ranks() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def distributed() -> bool:
+    """Whether plans are made on several ranks (and so must be agreed)."""
+    return _ranks() > 1

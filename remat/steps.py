@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from remat.agree import planning_solver
+from remat.agree import distributed, planning_solver
 from remat.cache import PlanCache
 from remat.handed import Handed, keeping, own_order
 from remat.outside import OutsideMemory, push_if_not_top
@@ -258,7 +258,9 @@ class StepRunner:
             k = self._choose(step, graph)
             self._section(step)
             outs = list(graph.programs[k].forward(args))
-            if step.outside is not None:
+            if step.outside is not None and not distributed():
+                # where the caller drops an output is seen per rank, and a step's solve is
+                # a collective: ranks that saw it differently would solve unequally often
                 step.watch_outputs(len(step.runs), graph, outs[: graph.num_fwd_outputs])
             self._runs += 1
             marker = torch.empty((0, self._runs, k))
