@@ -81,7 +81,7 @@ def row(name: str, build, budget: float) -> dict:
     reference = copy.deepcopy(model)
     torch.manual_seed(1)
     _loss(reference, batch).backward()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     optimized = remat.optimize(model, budget=budget, cache=False)
     start = time.perf_counter()
     torch.manual_seed(1)
