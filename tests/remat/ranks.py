@@ -9,6 +9,7 @@ import copy
 import faulthandler
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ HANG = 300  # seconds: a rank still running then prints every thread's stack and
 def run(rank: int, world: int, init_file: str, out: str, case: str) -> None:
     os.environ.setdefault("REMAT_CACHE", "0")
     faulthandler.dump_traceback_later(HANG, exit=True)  # a hung collective fails the test
+    # the first rank to time out ends the spawn, which terminates the others: they print
+    # their stacks too, so a hang shows where each rank waits
+    faulthandler.register(signal.SIGTERM, chain=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)  # fmt: skip
     try:
