@@ -251,8 +251,7 @@ class Planner:
     def _measure(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
         """The graph as a ``Problem``: bytes (each kernel measured on the device, see
         ``CostModel``) and times per node; logged, since on big models it takes a while."""
-        # the cost model may run ops on the device, on inputs shared between kernels
-        with real_tensors(), costs.shared_inputs():
+        with real_tensors():  # the cost model may run ops on the device
             facts = self._cost_model(joint)
             if not costs.scratch_measurable(facts.device):
                 log.warning(

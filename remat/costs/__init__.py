@@ -39,7 +39,6 @@ from .measured import (
     kernel_memory,
     profile_seconds,
     scratch_measurable,
-    shared_inputs,
 )
 
 __all__ = [
@@ -66,7 +65,6 @@ __all__ = [
     "profile_seconds",
     "random_numbers",
     "scratch_measurable",
-    "shared_inputs",
 ]
 
 # roofline: time estimated from flops and bytes (``device``); profile: each distinct

@@ -8,14 +8,12 @@ the roofline estimate for time, the outputs' nominal bytes for memory.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import operator
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +36,6 @@ __all__ = [
     "kernel_memory",
     "profile_seconds",
     "scratch_measurable",
-    "shared_inputs",
 ]
 
 
@@ -79,67 +76,23 @@ def _storage_numel(t: torch.Tensor) -> int:
     )
 
 
-def _synthetic(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``n`` synthetic values of ``dtype``: floats standard normal, integers zero (a
-    valid index into any non-empty dimension), bools runs of 64 True then 64 False. Not
-    random bools: masks that ops branch on (``masked_fill``, ``where``) are causal or
-    padding masks in practice, and a random mask mispredicts every other branch
-    (timings: docs/cost-model.md, "Kernel time"). A prefix of more values is the same
-    kind of data, which lets ``SharedInputs`` hand out prefixes of one buffer."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(n, dtype=dtype, device=device)
-    if dtype == torch.bool:
-        return torch.arange(n, device=device) // 64 % 2 == 0
-    return torch.zeros(n, dtype=dtype, device=device)
+def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Real tensor with ``fake``'s shape, stride, offset and dtype on ``device``.
 
-
-class SharedInputs:
-    """Synthetic input storages shared by the kernels of one measuring pass.
-
-    Making each kernel's inputs afresh cost half of GPT-2 small's measuring on CPU,
-    drawing normal numbers into freshly faulted pages (docs/cost-model.md, "Kernel
-    time"). Here the i-th input of a dtype on a device is a prefix of one buffer, grown
-    to the largest asked for, so a pass makes a few buffers. Distinct inputs of one call
-    never share a buffer; ops that write an input get fresh ones (``_real_args``).
+    Floats are standard normal, integers zero (a valid index into any non-empty
+    dimension), bools runs of 64 True then 64 False. Not random bools: masks that ops
+    branch on (``masked_fill``, ``where``) are causal or padding masks in practice, and
+    a random mask mispredicts every other branch (timings: docs/cost-model.md,
+    "Kernel time").
     """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
-
-    def take(self, n: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
-        key = (dtype, device, slot)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < n:
-            buffer = self._buffers[key] = _synthetic(n, dtype, device)
-        return buffer[:n]
-
-
-_shared_inputs: contextvars.ContextVar[SharedInputs | None] = contextvars.ContextVar(
-    "remat_shared_inputs", default=None
-)
-
-
-@contextlib.contextmanager
-def shared_inputs() -> Iterator[SharedInputs]:
-    """Kernels measured inside share their synthetic inputs (``SharedInputs``); the
-    buffers are freed on leaving."""
-    token = _shared_inputs.set(SharedInputs())
-    try:
-        yield _shared_inputs.get()
-    finally:
-        _shared_inputs.reset(token)
-
-
-def _materialise(
-    fake: torch.Tensor, device: torch.device, shared: SharedInputs | None = None, slot: int = 0
-) -> torch.Tensor:
-    """Real tensor with ``fake``'s shape, stride, offset and dtype on ``device``, of
-    ``_synthetic`` values: its own storage, or ``shared``'s buffer ``slot``."""
     n = _storage_numel(fake)
-    if shared is None:
-        base = _synthetic(n, fake.dtype, device)
+    dtype = fake.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        base = torch.randn(n, dtype=dtype, device=device)
+    elif dtype == torch.bool:
+        base = torch.arange(n, device=device) // 64 % 2 == 0
     else:
-        base = shared.take(n, fake.dtype, device, slot)
+        base = torch.zeros(n, dtype=dtype, device=device)
     sizes = [hint(s) for s in fake.shape]
     strides = [hint(s) for s in fake.stride()]
     return base.as_strided(sizes, strides, hint(fake.storage_offset()))
@@ -156,18 +109,13 @@ def _real_args(node: fx.Node, place: Callable[[torch.device], torch.device]) -> 
     """Concrete args for ``node``: tensors materialised where ``place`` puts them (and
     made valid where ``VALID_INPUTS`` says how)."""
     made: dict[fx.Node, Any] = {}
-    schema = op_schema(node.target)
-    shared = None if schema is None or _writes_an_input(schema) else _shared_inputs.get()
-    slots: dict[tuple, int] = {}  # (dtype, device) -> inputs of it made so far
 
     def convert(a: Any) -> Any:
         if isinstance(a, fx.Node):
             if a not in made:
                 v = meta_val(a)
                 if isinstance(v, torch.Tensor):
-                    where = place(v.device)
-                    slot = slots[v.dtype, where] = slots.get((v.dtype, where), -1) + 1
-                    made[a] = _materialise(v, where, shared, slot)
+                    made[a] = _materialise(v, place(v.device))
                 elif isinstance(v, (torch.SymInt, int)) and not isinstance(v, bool):
                     made[a] = hint(v)
                 elif isinstance(v, (float, bool)):
@@ -184,13 +132,9 @@ def _real_args(node: fx.Node, place: Callable[[torch.device], torch.device]) -> 
         return a
 
     args, kwargs = tree_map(convert, (node.args, node.kwargs))
+    schema = op_schema(node.target)
     valid = VALID_INPUTS.get(schema.name) if schema is not None else None
     return valid(args, kwargs) if valid is not None else (args, kwargs)
-
-
-def _writes_an_input(schema) -> bool:
-    """Whether the op writes one of its arguments (in place, ``out=``)."""
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _time_op(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int) -> float:
@@ -243,7 +187,7 @@ def profile_seconds(
 
     fork_devices = [dev.index] if dev.type == "cuda" else []
     measured: dict[Any, float] = {}
-    with torch.random.fork_rng(devices=fork_devices), torch.no_grad(), shared_inputs():
+    with torch.random.fork_rng(devices=fork_devices), torch.no_grad():
         for node in gm.graph.nodes:
             if (
                 node.op != "call_function"

@@ -30,7 +30,6 @@ from remat.costs import (
     profile_seconds,
 )
 from remat.costs.graph import is_view
-from remat.passes._torch_compat import storage_of
 
 aten = torch.ops.aten
 CPU = DeviceSpec.for_device("cpu")
@@ -676,34 +675,6 @@ def test_profiled_masks_are_runs_not_noise():
     assert int(mask.sum()) == mask.numel() // 2
     flips = int((mask[1:] != mask[:-1]).sum())
     assert flips == mask.numel() // 64 - 1
-
-
-def test_kernels_measured_in_one_pass_share_their_synthetic_inputs():
-    """Inside ``shared_inputs`` the i-th input of a dtype is a prefix of one buffer grown
-    to the largest asked for, so a pass draws a few buffers, not one per kernel; two
-    inputs of one call never share, an op that writes an input gets fresh ones, and
-    what a kernel is measured to hold does not change."""
-    small, large = torch.randn(8, 4), torch.randn(16, 4)
-
-    def build(g, a, b, c):
-        added = g.call_function(aten.add.Tensor, (a, b))
-        return (added, g.call_function(aten.mul.Tensor, (c, c)),
-                g.call_function(aten.add_.Tensor, (a, b)))  # fmt: skip
-
-    gm = _fake_graph(build, small, small, large)
-    add, mul, add_ = _calls(gm)
-    with costs.shared_inputs():
-        (a, b), _ = cost_measured._real_args(add, lambda d: d)
-        (c, c_again), _ = cost_measured._real_args(mul, lambda d: d)
-        (a2, b2), _ = cost_measured._real_args(add_, lambda d: d)
-        assert storage_of(a) != storage_of(b)  # distinct inputs of one call
-        assert c is c_again  # one node read twice is one tensor, as without sharing
-        assert storage_of(c) != storage_of(a)  # the larger shape grew slot 0 anew...
-        (a3, _), _ = cost_measured._real_args(add, lambda d: d)
-        assert storage_of(a3) == storage_of(c)  # ...and later kernels take its prefix
-        assert not {storage_of(a2), storage_of(b2)} & {storage_of(a3), storage_of(c)}
-        inside = [kernel_memory(n, "cpu") for n in (add, mul, add_)]
-    assert inside == [kernel_memory(n, "cpu") for n in (add, mul, add_)]
 
 
 def test_profile_seconds_times_each_distinct_op_once(monkeypatch):
