@@ -27,7 +27,7 @@ def planning_solver(solver: str | Solver, cache: PlanCache | None) -> str | Solv
     """``solver`` answering from ``cache`` where it can, and agreed across ranks."""
     if cache is not None:
         solver = cache.solver(solver)
-    return agreeing(solver) if _ranks() > 1 else solver
+    return agreeing(solver) if distributed() else solver
 
 
 def agreeing(solver: str | Solver) -> Solver:
@@ -86,10 +86,6 @@ def _outcome(mine, plan: Plan | None) -> tuple:
     return mine, plan.solver, plan.status, plan.bound
 
 
-def _ranks() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def distributed() -> bool:
     """Whether plans are made on several ranks (and so must be agreed)."""
-    return _ranks() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

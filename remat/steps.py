@@ -460,11 +460,9 @@ class StepRunner:
         )
         order = tuple(step.backward_order)
         accumulate = _accumulate(runs, order)
-        released = tuple((r, i, s) for (r, i), s in sorted(step.released.items()))
+        released = tuple((r, i, s) for (r, i), s in sorted(step.released.items()) if release)
         outside = Outside(levels, peaks)
-        shape = Step(
-            problems, order, tuple(step.links), accumulate, outside, released if release else ()
-        )
+        shape = Step(problems, order, tuple(step.links), accumulate, outside, released)
         names = ", ".join(r.graph.name for r in runs)
         composed = compose(shape, name=f"step ({names})")
         used = tuple(r.graph.programs[r.program].plan for r in runs)
@@ -494,7 +492,7 @@ class StepRunner:
                 r.graph.program_for(evaluate(r.graph.problem, s, backward=o, solver=plan.solver))
                 for r, s, o in zip(runs, saved, orders, strict=True)
             )
-            if shape.released:
+            if released:
                 # a run's program still hands a held output its backward reads over to
                 # it: the step's plan is what the programs run, checked against the limit
                 ran = tuple(r.graph.programs[k].plan for r, k in zip(runs, programs, strict=True))

@@ -151,9 +151,8 @@ def test_logits_returned_beside_the_loss_count_while_the_caller_holds_them(keep)
     report = optimized.remat.report()
     assert peaks == [report.predicted_peak] * 3
     assert report.predicted_peak <= report.steps[0].budget
-    released = optimized.remat.steps.plans[0].composed.problem.outputs
-    logits_bytes = x.shape[0] * 512 * 4
-    held = [i for i in released if report.steps[0].composed.problem.nodes[i].bytes == logits_bytes]
+    problem, logits_bytes = report.steps[0].composed.problem, x.shape[0] * 512 * 4
+    held = [i for i in problem.outputs if problem.nodes[i].bytes == logits_bytes]
     assert bool(held) == keep  # the logits are a held output only while the caller holds them
 
 
