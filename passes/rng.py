@@ -73,11 +73,12 @@ def _(anchor: torch.Tensor) -> torch.Tensor:
 
 def _draw_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """The mask ``native_dropout(x, p, True)`` draws, consuming the generator alike: on
-    CPU a Bernoulli draw into a tensor like ``x`` (checked bitwise against
-    ``native_dropout``); elsewhere (CUDA's fused kernel draws differently) the mask
-    ``native_dropout`` itself returns."""
+    CPU a Bernoulli draw straight into a bool tensor like ``x`` (the CPU kernel draws
+    the same integers whatever the dtype it writes; checked bitwise against
+    ``native_dropout``, and a float draw cast to bool cost a pass more); elsewhere
+    (CUDA's fused kernel draws differently) the mask ``native_dropout`` itself returns."""
     if x.device.type == "cpu":
-        return torch.empty_like(x).bernoulli_(1 - p).to(torch.bool)
+        return torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
     return aten.native_dropout.default(x, p, True)[1]
 
 
@@ -102,10 +103,11 @@ def _(state, x, p, restore):
 
 @torch.library.custom_op("remat::apply_dropout_mask", mutates_args=())
 def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``native_dropout``'s output from its mask: ``x * mask``, then ``* scale`` (as
-    ``dropout_scale`` gives it: the same bits). The bool mask is promoted inside the
-    multiply (no float copy of it)."""
-    return x.mul(mask).mul_(scale)
+    """``native_dropout``'s output from its mask: ``mask * x``, then ``* scale`` (as
+    ``dropout_scale`` gives it: the same bits). The mask is cast into the output's
+    buffer first: a multiply of mixed dtypes (``x.mul(mask)``) took about three times as
+    long on CPU (docs/benchmarks.md, "`gpt`, eager compiler")."""
+    return mask.to(x.dtype).mul_(x).mul_(scale)
 
 
 @apply_dropout_mask.register_fake
