@@ -162,7 +162,7 @@ def cpsat(
         if not search.close_enough:
             rounded = evaluate(problem, relax.saved_set(lp.value), solver="cpsat")
             search.offer(search.repair(rounded), polished=True)
-            seeded = _add_points(relax, rounded) > 0  # none where it fits
+            seeded = add_points(relax, rounded) > 0  # none where it fits
     share = 1.0 if first is not None else BOUND_SHARE
     capped = not seeded and len(problem) <= FIRST_ROUND_CAP_NODES
     used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share, capped)
@@ -367,15 +367,15 @@ def _tighten(relax: Relaxation, plan: Plan) -> None:
     """Cut off an overflowing answer: the backward steps where it overflows made exact
     (the worst ``POINTS_PER_ROUND`` not exact yet) and its forward overflow forbidden
     (``explain``); failing both, that exact saved set."""
-    _cut(relax, plan, weakest=not _add_points(relax, plan))
+    _cut(relax, plan, weakest=not add_points(relax, plan))
 
 
-def _add_points(relax: Relaxation, plan: Plan) -> int:
-    """Make the worst ``POINTS_PER_ROUND`` backward steps where ``plan`` overflows
-    exact (those not exact yet). Returns how many were added."""
+def add_points(relax: Relaxation, plan: Plan, count: int = POINTS_PER_ROUND) -> int:
+    """Make the worst ``count`` backward steps where ``plan`` overflows exact (those not
+    exact yet). Returns how many were added."""
     added = 0
     for step in _overflowing_steps(relax, plan):
-        if added == POINTS_PER_ROUND:
+        if added == count:
             break
         added += relax.add_point(*step)
     return added

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat import cp_model_pb2
@@ -37,20 +37,26 @@ SAFETY = 1e-6
 class LinearSolution:
     """The LP's optimum (``bound``: in the units CP-SAT reports the model's objective in,
     a little under the LP's, so a valid lower bound on the integer optimum) and its
-    values, by CP-SAT variable index."""
+    values, by CP-SAT variable index; ``program``, the LP it solved, made of the model's
+    first ``converted`` constraints (for ``solve_lp``'s ``after``)."""
 
     bound: float
     values: tuple[float, ...]
+    program: linear_solver_pb2.MPModelProto = field(repr=False, compare=False)
+    converted: int = 0
 
     def value(self, var) -> float:
         """A CP-SAT variable's value in the LP's answer (fractional in general)."""
         return self.values[var.Index()]
 
 
-def solve_lp(model, seconds: float) -> LinearSolution | None:
+def solve_lp(model, seconds: float, after: LinearSolution | None = None) -> LinearSolution | None:
     """``model``'s LP relaxation solved, or None where no LP solver is available, it
-    did not finish within ``seconds`` of wall time, or the objective is not linear."""
-    lp = _linear_program(_message(model))
+    did not finish within ``seconds`` of wall time, or the objective is not linear.
+    ``after``: an earlier solution of ``model`` before variables and constraints were
+    added (and none changed); only what was added is converted."""
+    proto = _message(model)
+    lp = _linear_program(proto, after)
     if lp is None:
         return None
     name, solver = _lp_solver()
@@ -69,6 +75,8 @@ def solve_lp(model, seconds: float) -> LinearSolution | None:
     return LinearSolution(
         bound=value - SAFETY * abs(value),
         values=tuple(var.solution_value() for var in solver.variables()),
+        program=lp,
+        converted=len(proto.constraints),
     )
 
 
@@ -90,22 +98,33 @@ def _message(model) -> cp_model_pb2.CpModelProto:
             return cp_model_pb2.CpModelProto.FromString(f.read())
 
 
-def _linear_program(proto) -> linear_solver_pb2.MPModelProto | None:
+def _linear_program(
+    proto, earlier: LinearSolution | None = None
+) -> linear_solver_pb2.MPModelProto | None:
     """``proto`` (a CP-SAT model) with integrality dropped. A constraint of another kind
     is left out (fewer constraints: still a lower bound); None for a floating-point
-    objective."""
+    objective. ``earlier``: a solution of this model before variables and constraints
+    were added; its program is extended (a copy) instead of converting all again."""
     if proto.HasField("floating_point_objective"):
         return None
     lp = linear_solver_pb2.MPModelProto()
-    bounds = []
-    for var in proto.variables:
-        domain = var.domain
+    first_variable = first_constraint = 0
+    if earlier is not None:
+        lp.CopyFrom(earlier.program)
+        first_variable, first_constraint = len(lp.variable), earlier.converted
+        for column in lp.variable:  # the objective is set again below
+            column.objective_coefficient = 0.0
+        lp.objective_offset = 0.0
+    bounds = [(column.lower_bound, column.upper_bound) for column in lp.variable]
+    for index in range(first_variable, len(proto.variables)):
+        domain = proto.variables[index].domain
         low, high = _float_bound(domain[0]), _float_bound(domain[-1])  # holes relaxed
         column = lp.variable.add()
         column.lower_bound, column.upper_bound = low, high
         bounds.append((low, high))
     left_out = 0
-    for ct in proto.constraints:
+    for index in range(first_constraint, len(proto.constraints)):
+        ct = proto.constraints[index]
         rows = _rows(ct)
         if rows is None:
             left_out += 1

@@ -4,7 +4,7 @@ The optimum of a model that repeats one block N times saves nearly the same posi
 in every block (docs/solver-notes.md, "Repeated blocks"). So, with
 ``blocks.find_blocks``:
 
-1. the whole graph's linear relaxation (``linear_bound``), solved once: its bound is a
+1. the whole graph's linear relaxation (``linear_bound``): its bound is a
    valid lower bound on every plan, so the reported gap is honest, and its answer
    says, per position of a block, the share of middle blocks that save it;
 2. outside the middle blocks (blocks 0 and N - 1, the embedding, the head) the LP's
@@ -16,7 +16,11 @@ in every block (docs/solver-notes.md, "Repeated blocks"). So, with
 4. beside them, each position saved by as many middle blocks as the LP's share says
    (spread evenly), and the LP's answer rounded node by node, each with the saves the
    LP was least sure of dropped until the plan fits (bisection): where the optimum
-   mixes several patterns, or the blocks' edges weigh.
+   mixes several patterns, or the blocks' edges weigh;
+5. where the best of those is not proven within the gap limit (``cpsat``'s), the LP
+   once more, with the backward step where its rounded answer overflows most made
+   exact (an exact point, as ``cpsat`` seeds its search): a higher bound. (The
+   candidates read off its answer were never cheaper: not read.)
 
 The full graph is only simulated: a few dozen times, against thousands for a search
 on every node. Where the graph has no repeated blocks, or no pattern fits, ``cpsat``
@@ -29,7 +33,7 @@ import logging
 import time
 
 from .blocks import Blocks, find_blocks
-from .cpsat import cpsat
+from .cpsat import GAP_LIMIT, add_points, cpsat
 from .heuristics import savable
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, with_bound
@@ -40,6 +44,10 @@ log = logging.getLogger("remat")
 
 NEXT_POSITIONS = 4  # positions tried as the one the longer pattern adds
 LP_SECONDS = 120.0  # wall-clock guard on the whole graph's LP
+# The pointed LP's wall-clock guard, as a multiple of the time spent before it (the first
+# LP and the patterns): on the Llama graphs it took 1-2 times that (see
+# docs/solver-notes.md, "Adopted": one pointed LP).
+POINTED_FACTOR = 4.0
 
 
 def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
@@ -58,6 +66,10 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
     best = _Patterns(problem, blocks, values, budget).best()
     if best is None:  # no candidate fits: the whole graph's search
         return cpsat(problem, budget, **cpsat_options)
+    bound = lp.bound / relax.scale
+    if best.cost - bound > cpsat_options.get("gap_limit", GAP_LIMIT) * best.cost:
+        guard = POINTED_FACTOR * (time.perf_counter() - start)
+        bound = _pointed_bound(problem, relax, lp, guard) or bound
     log.info(
         "remat %s: %d repeated blocks of %d nodes, planned by pattern",
         problem.name or "graph",
@@ -65,9 +77,18 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
         len(blocks.members[0]),
     )
     seconds = time.perf_counter() - start
-    return with_bound(
-        best, lp.bound / relax.scale, solver="repeated", budget=budget, seconds=seconds
-    )
+    return with_bound(best, bound, solver="repeated", budget=budget, seconds=seconds)
+
+
+def _pointed_bound(problem: Problem, relax: Relaxation, lp, seconds: float) -> float | None:
+    """The module docstring's step 5: the LP's bound with one exact point added where its
+    rounded answer overflows most; None where that answer fits or the pointed LP does
+    not finish within ``seconds``."""
+    rounded = evaluate(problem, relax.saved_set(lp.value), solver="repeated")
+    if not add_points(relax, rounded, count=1):
+        return None
+    pointed = solve_lp(relax.model, seconds, after=lp)
+    return None if pointed is None else max(lp.bound, pointed.bound) / relax.scale
 
 
 class _Patterns:

@@ -140,6 +140,22 @@ def test_exact_points_bind_in_the_lp_and_stay_under_the_optimum():
     assert after / relax.scale <= optimum.recompute_cost
 
 
+def test_an_extended_model_solved_after_its_first_lp_is_the_lp_converted_whole():
+    # only the rows added since ``after`` are converted: the same LP as from scratch
+    problem = layered(2)
+    budget = int(store_all(problem).peak * 0.8)
+    relax = Relaxation(problem, budget, exact=False)
+    first = solve_lp(relax.model, 10.0)
+    for k in (4, 3):
+        relax.add_point(k)
+    extended = solve_lp(relax.model, 10.0, after=first)
+    whole = solve_lp(relax.model, 10.0)
+    assert extended.converted == whole.converted > first.converted
+    assert len(extended.program.constraint) == len(whole.program.constraint)
+    assert extended.bound == pytest.approx(whole.bound, rel=1e-9)
+    assert extended.bound >= 1.2 * first.bound
+
+
 def test_the_lp_answer_names_the_first_rounds_points_and_lifts_its_cap(monkeypatch):
     problem = layered(2)
     budget = int(store_all(problem).peak * 0.8)

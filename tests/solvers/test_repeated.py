@@ -68,6 +68,17 @@ def test_pattern_plans_fit_and_their_bound_is_below_any_plan(fraction):
     assert plan.bound <= plan.recompute_cost
 
 
+def test_an_open_gap_gets_the_bound_of_a_pointed_lp():
+    # layered(12) at 70%: the first LP leaves the pattern plan 9% open; one exact point
+    # lifts the bound (to 7%), which stays under every plan's cost, CP-SAT's included
+    problem = layered(12)
+    budget = int(store_all(problem).peak * 0.7)
+    first = repeated(problem, budget, gap_limit=1.0)  # within 100%: no pointed LP
+    plan = repeated(problem, budget)
+    assert plan.saved == first.saved
+    assert first.bound < plan.bound <= cpsat(problem, budget).cost + 1e-12
+
+
 def test_where_no_pattern_fits_cpsat_plans_the_whole_graph():
     problem = layered(12)
     budget = int(store_all(problem).peak * 0.3)  # ten middle blocks: the edges weigh
