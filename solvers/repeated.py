@@ -45,7 +45,7 @@ log = logging.getLogger("remat")
 NEXT_POSITIONS = 4  # positions tried as the one the longer pattern adds
 LP_SECONDS = 120.0  # wall-clock guard on the whole graph's LP
 # The pointed LP's wall-clock guard, as a multiple of the time spent before it (the first
-# LP and the patterns): on the Llama graphs it took 1-2 times that (see
+# LP and the patterns): on the Llama graphs it took 1-3 times that (see
 # docs/solver-notes.md, "Adopted": one pointed LP).
 POINTED_FACTOR = 4.0
 
@@ -69,7 +69,7 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
     bound = lp.bound / relax.scale
     if best.cost - bound > cpsat_options.get("gap_limit", GAP_LIMIT) * best.cost:
         guard = POINTED_FACTOR * (time.perf_counter() - start)
-        bound = _pointed_bound(problem, relax, lp, guard) or bound
+        bound = _pointed_bound(problem, relax, lp, guard)
     log.info(
         "remat %s: %d repeated blocks of %d nodes, planned by pattern",
         problem.name or "graph",
@@ -80,15 +80,17 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
     return with_bound(best, bound, solver="repeated", budget=budget, seconds=seconds)
 
 
-def _pointed_bound(problem: Problem, relax: Relaxation, lp, seconds: float) -> float | None:
+def _pointed_bound(problem: Problem, relax: Relaxation, lp, seconds: float) -> float:
     """The module docstring's step 5: the LP's bound with one exact point added where its
-    rounded answer overflows most; None where that answer fits or the pointed LP does
-    not finish within ``seconds``."""
+    rounded answer overflows most; the first LP's where that answer fits or the pointed
+    LP does not finish within ``seconds``."""
+    bound = lp.bound
     rounded = evaluate(problem, relax.saved_set(lp.value), solver="repeated")
-    if not add_points(relax, rounded, count=1):
-        return None
-    pointed = solve_lp(relax.model, seconds, after=lp)
-    return None if pointed is None else max(lp.bound, pointed.bound) / relax.scale
+    if add_points(relax, rounded, count=1):
+        pointed = solve_lp(relax.model, seconds, after=lp)
+        if pointed is not None:
+            bound = max(bound, pointed.bound)
+    return bound / relax.scale
 
 
 class _Patterns:
