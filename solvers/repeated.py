@@ -68,6 +68,12 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
         return cpsat(problem, budget, **cpsat_options)
     bound = lp.bound / relax.scale
     if best.cost - bound > cpsat_options.get("gap_limit", GAP_LIMIT) * best.cost:
+        log.info(
+            "remat %s: the pattern plan is %.1f%% over the LP's bound; the LP again, with an "
+            "exact point",
+            problem.name or "graph",
+            100 * (best.cost - bound) / best.cost,
+        )
         guard = POINTED_FACTOR * (time.perf_counter() - start)
         bound = _pointed_bound(problem, relax, lp, guard)
     log.info(
