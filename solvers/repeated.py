@@ -45,8 +45,8 @@ log = logging.getLogger("remat")
 NEXT_POSITIONS = 4  # positions tried as the one the longer pattern adds
 LP_SECONDS = 120.0  # wall-clock guard on the whole graph's LP
 # The pointed LP's wall-clock guard, as a multiple of the time spent before it (the first
-# LP and the patterns): on the Llama graphs it took 1-3 times that (see
-# docs/solver-notes.md, "Adopted": one pointed LP).
+# LP and the patterns): room for its usual cost, not for a point far harder than that
+# (see docs/solver-notes.md, "Adopted": one pointed LP).
 POINTED_FACTOR = 4.0
 
 
