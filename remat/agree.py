@@ -6,18 +6,24 @@ model times kernels per machine. Each plan is therefore compared across ranks (a
 all-gathered) and where they differ every rank takes rank 0's, derived again from its
 saved values on its own problem (``solvers.solve`` then checks it like any other plan).
 Every rank must plan the same graphs in the same order, as it does when all trace one
-model: each solve is one collective on the default process group.
+model: each solve is one round on the default process group's key-value store.
+
+The store, not a collective: a collective's tensors made in Python are released by the
+backend's worker thread when it finishes with them, which takes the GIL there (gloo on
+torch 2.13: a rank hung in such an all-gather, and one aborted at exit when that thread met
+the interpreter's shutdown; docs/pipelines.md "Plan agreements"). The store moves bytes
+between processes and no tensors, and answers inside a compile with no fake-mode guard.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from remat.cache import PlanCache
 from remat.keys import digest
-from remat.passes._torch_compat import real_tensors
 from remat.solvers import InfeasibleBudget, Plan, Problem, evaluate, min_peak_plan, store_all
 
 Solver = Callable[[Problem, int], Plan]
@@ -61,16 +67,19 @@ def agree(problem: Problem, plan: Plan | None, limit: int) -> Plan | None:
     mine = None if plan is None else (
         sorted(plan.saved), list(plan.schedule.backward) if plan.ordered else None
     )  # fmt: skip
-    with real_tensors():  # the planner runs inside a compile, under fake tensors
-        digests: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, digest(mine))
-        if len(set(digests)) == 1 or dist.get_rank() == 0:
-            if len(set(digests)) > 1:
-                dist.broadcast_object_list([_outcome(mine, plan)], src=0)
-            return plan
-        chosen = [None]
-        dist.broadcast_object_list(chosen, src=0)
-    decided, solver, status, bound = chosen[0]
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    # the n-th agreement of every rank is one round; the count lives in the store, so a new
+    # process group starts again at 1
+    round_ = f"remat/agree/{store.add(f'remat/agreements/{rank}', 1)}"
+    store.set(f"{round_}/{rank}", digest(mine))
+    keys = [f"{round_}/{r}" for r in range(dist.get_world_size())]
+    store.wait(keys)
+    if len(set(store.multi_get(keys))) == 1:
+        return plan
+    if rank == 0:
+        store.set(f"{round_}/chosen", pickle.dumps(_outcome(mine, plan)))
+        return plan
+    decided, solver, status, bound = pickle.loads(store.get(f"{round_}/chosen"))
     if decided is None:
         return None
     saved, order = decided

@@ -25,6 +25,10 @@ CPU caveats (checked on torch 2.13, pinned by tests/remat/test_memory.py):
 - Only allocations on the calling thread are seen. A CPU backward runs on that thread; a
   Python thread started inside the call is invisible (``profile_all_threads=True`` records
   no memory events at all, so it is no way out).
+- Likewise only frees on the calling thread: a block the call allocated and another thread
+  frees is counted live to the call's end. gloo's worker thread frees a collective's
+  tensors when it held the last reference (FSDP2 on gloo: one all-gather output, by timing;
+  docs/pipelines.md "What does not work yet").
 - Starting the profiler the first time in a process takes about a second; later calls cost
   milliseconds. Compile (call once) before measuring a ``torch.compile``d step, or the
   compilation's own allocations are counted too.
