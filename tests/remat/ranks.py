@@ -134,15 +134,29 @@ def fsdp2(rank: int, world: int) -> dict:
     optimized = remat.optimize(model, budget=0.9)
     grad = lambda p: p.grad.full_tensor()  # noqa: E731
     result = _train(model, optimized, reference, rank, world, local_grad=grad)
-    gathers = [_all_gather_bytes(m, model) for m in (model, *model.blocks)]
-    return {**result, "gathers": gathers, "refused": _refused_then_fits(model, rank)}
+    return {
+        **result,
+        "gathers": _all_gather_bytes(model, world),
+        "refused": _refused_then_fits(model, rank),
+    }
 
 
-def _all_gather_bytes(module, root) -> int:
-    """Bytes of ``module``'s all-gather output: the unsharded parameters FSDP2 manages for
-    it (the root's: those outside every block; this model's shards need no padding)."""
-    inner = {id(p) for b in root.blocks for p in b.parameters()} if module is root else set()
-    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in inner)
+def _all_gather_bytes(model, world: int) -> list[int]:
+    """Bytes of each FSDP2 module's all-gather output: its parameters' padded shards, as
+    FSDP2 gathers them, from every rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [
+        m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)
+    ]
+    return [
+        world
+        * sum(
+            p._sharded_param_data.numel() * p._sharded_param_data.element_size()
+            for p in g.fsdp_params
+        )
+        for g in groups
+    ]
 
 
 def _refused_then_fits(model, rank: int) -> dict:
