@@ -2,17 +2,16 @@
 
 Ranks of a DDP or FSDP2 job trace the same graphs, but a solver with a time limit
 (CP-SAT) may stop at different plans on different machines, and the ``profile`` cost
-model times kernels per machine. Each plan is therefore compared across ranks (a hash,
-all-gathered) and where they differ every rank takes rank 0's, derived again from its
+model times kernels per machine. Each plan is therefore compared across ranks (a hash
+each) and where they differ every rank takes rank 0's, derived again from its
 saved values on its own problem (``solvers.solve`` then checks it like any other plan).
 Every rank must plan the same graphs in the same order, as it does when all trace one
 model: each solve is one round on the default process group's key-value store.
 
-The store, not a collective: a collective's tensors made in Python are released by the
-backend's worker thread when it finishes with them, which takes the GIL there (gloo on
-torch 2.13: a rank hung in such an all-gather, and one aborted at exit when that thread met
-the interpreter's shutdown; docs/pipelines.md "Plan agreements"). The store moves bytes
-between processes and no tensors, and answers inside a compile with no fake-mode guard.
+The store, not a collective: the backend's worker thread releases a collective's
+Python-made tensors, taking the GIL there, which hangs or aborts ranks (gloo, torch 2.13:
+docs/pipelines.md "Plan agreements go through the store"). The store moves bytes, no
+tensors, and needs no fake-mode guard inside a compile.
 """
 
 from __future__ import annotations
