@@ -34,7 +34,7 @@ import time
 
 from .blocks import Blocks, find_blocks
 from .cpsat import GAP_LIMIT, add_points, cpsat
-from .heuristics import savable
+from .heuristics import exchange, savable
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, with_bound
 from .problem import Problem
@@ -67,7 +67,10 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
     if best is None:  # no candidate fits: the whole graph's search
         return cpsat(problem, budget, **cpsat_options)
     bound = lp.bound / relax.scale
-    if best.cost - bound > cpsat_options.get("gap_limit", GAP_LIMIT) * best.cost:
+    gap_limit = cpsat_options.get("gap_limit", GAP_LIMIT)
+    if best.cost - bound > gap_limit * best.cost:
+        best = exchange(problem, best, budget)
+    if best.cost - bound > gap_limit * best.cost:
         log.info(
             "remat %s: the pattern plan is %.1f%% over the LP's bound; the LP again, with an "
             "exact point",

@@ -1,5 +1,6 @@
-"""The shortcuts that keep the heuristics fast on large graphs: batched drop-saves
-steps, the capped descend round and the gap placement from precomputed first reads."""
+"""The shortcuts that keep the heuristics fast on large graphs (batched drop-saves steps,
+the capped descend round, the gap placement from precomputed first reads) and the
+polishing moves on a plan (``nearest_fit``, ``fill``, ``exchange``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_properties import any_problem
 
-from remat.solvers import Node, Problem, evaluate, store_all
+from remat.solvers import InfeasibleBudget, Node, Problem, evaluate, store_all
 from remat.solvers.heuristics import (
     FILL_TRIALS,
     _drop_saves,
     _ranked_groups,
     _victims,
     descend,
+    exchange,
     fill,
     greedy,
     nearest_fit,
@@ -226,3 +228,63 @@ def test_fill_per_byte_tries_the_cheapest_bytes_first():
     filled = fill(problem, plan, budget, max_trials=1, order="per_byte")
     assert filled.saved == {2} and filled.peak <= budget
     assert filled.recompute_cost == plan.recompute_cost - 1.0
+
+
+def _read_last(values: list[tuple[str, int, float]]) -> Problem:
+    """Values made from an input, each read by the loss and by the backward's last step
+    only: saved, each is live at the backward's peak (a 200-byte step before)."""
+    nodes = [Node("x", "fwd", 8, 0.5)]
+    nodes += [Node(name, "fwd", size, cost, (0,)) for name, size, cost in values]
+    n = len(values)
+    nodes += [
+        Node("loss", "fwd", 4, 0.1, tuple(range(1, n + 1))),
+        Node("tangent", "bwd", 4),
+        Node("g1", "bwd", 200, 1.0, (n + 2,)),  # the peak
+        Node("g2", "bwd", 4, 1.0, (n + 3,)),
+        Node("grad", "bwd", 4, 1.0, (n + 4, *range(1, n + 1))),
+    ]
+    return Problem(nodes, outputs=(n + 1,), grads=(n + 5,))
+
+
+def test_exchange_saves_a_costly_value_for_cheap_ones_where_fill_cannot():
+    """The three cheap values are saved and 6 bytes are left: the costly value (20 bytes)
+    overflows on its own (``fill`` cannot add it), and no single swap frees enough; saving
+    it for two cheap ones is the cheapest plan that fits."""
+    values = [("costly", 20, 50.0), ("cheap1", 8, 1.0), ("cheap2", 8, 1.0), ("cheap3", 8, 1.0)]
+    problem = _read_last(values)
+    start = evaluate(problem, {2, 3, 4}, solver="t")
+    budget = start.peak + 6
+    assert fill(problem, start, budget).saved == start.saved
+    plan = exchange(problem, start, budget)
+    fitting = [
+        p
+        for p in (evaluate(problem, saved, solver="t") for saved in savable_subsets(problem))
+        if p.peak <= budget
+    ]
+    assert plan.peak <= budget
+    assert plan.cost == min(p.cost for p in fitting) < start.cost
+    assert {problem.nodes[i].name for i in plan.saved} == {"costly", "cheap3"}
+
+
+def savable_subsets(problem: Problem):
+    movable = sorted(savable(problem))
+    return (
+        {v for k, v in enumerate(movable) if mask >> k & 1} for mask in range(1 << len(movable))
+    )
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(problem=any_problem(120), share=st.floats(0.3, 1.0))
+def test_exchange_keeps_a_fitting_plan_fitting_and_never_costlier(problem, share):
+    start = store_all(problem)
+    try:
+        plan = greedy(problem, int(share * start.peak))
+    except InfeasibleBudget:
+        return
+    budget = int(share * start.peak)
+    better = exchange(problem, plan, budget)
+    assert better.peak <= budget
+    assert better.cost <= plan.cost
+    again = evaluate(problem, better.saved, solver="t")
+    assert (again.cost, again.peak) == (better.cost, better.peak)
+    assert exchange(problem, plan, budget).saved == better.saved  # deterministic
