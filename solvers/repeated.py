@@ -17,10 +17,14 @@ in every block (docs/solver-notes.md, "Repeated blocks"). So, with
    (spread evenly), and the LP's answer rounded node by node, each with the saves the
    LP was least sure of dropped until the plan fits (bisection): where the optimum
    mixes several patterns, or the blocks' edges weigh;
-5. where the best of those is not proven within the gap limit (``cpsat``'s), the LP
-   once more, with the backward step where its rounded answer overflows most made
-   exact (an exact point, as ``cpsat`` seeds its search): a higher bound. (The
-   candidates read off its answer were never cheaper: not read.)
+5. where the best of those is not proven within the gap limit (``cpsat``'s),
+   ``heuristics.exchange``: one more costly save for a few cheap ones, while that fits
+   (the families give a position to whole runs of blocks; the optimum also trades
+   single values, say one block's projection saved for four blocks' small values);
+6. where it is still not proven, the LP once more, with the backward step where its
+   rounded answer overflows most made exact (an exact point, as ``cpsat`` seeds its
+   search): a higher bound. (The candidates read off its answer were never cheaper:
+   not read.)
 
 The full graph is only simulated: a few dozen times, against thousands for a search
 on every node. Where the graph has no repeated blocks, or no pattern fits, ``cpsat``
@@ -90,7 +94,7 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
 
 
 def _pointed_bound(problem: Problem, relax: Relaxation, lp, seconds: float) -> float:
-    """The module docstring's step 5: the LP's bound with one exact point added where its
+    """The module docstring's step 6: the LP's bound with one exact point added where its
     rounded answer overflows most; the first LP's where that answer fits or the pointed
     LP does not finish within ``seconds``."""
     bound = lp.bound
