@@ -18,6 +18,9 @@ partition, and one forward and backward) differs by what each planner does. "pla
 is the plan's step-time cost (recompute plus save seconds, ``Plan.cost``), "gap" its
 excess over the proven lower bound (empty when none was proven).
 ``--save-problems DIR`` pickles each graph's ``solvers.Problem`` for solver work offline.
+``--prove SECONDS`` adds, after the step, each plan's bound from ``remat.solvers.prove``
+(the MIP of the pointed relaxation, at most SECONDS per graph; the ``prove`` extra):
+"proven gap" and "prove s", not part of the plan's time.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from _output import write_rows
 from tabulate import tabulate
 
 import remat
+from remat import solvers
 from remat.passes._torch_compat import (
     aot_autograd,
     boxed,
@@ -82,7 +86,9 @@ def torch_row(model, inputs, budget: float) -> dict:
     }
 
 
-def remat_row(model, inputs, budget: float, save: Path | None, tag: str) -> dict:
+def remat_row(
+    model, inputs, budget: float, save: Path | None, tag: str, prove: float | None
+) -> dict:
     torch.compiler.reset()
     optimized = remat.optimize(model, budget=budget, cache=False)  # plan, not reread
     seconds = first_step(optimized, inputs)
@@ -97,6 +103,13 @@ def remat_row(model, inputs, budget: float, save: Path | None, tag: str) -> dict
         for g in graphs:
             with open(save / f"{tag}-{g.name}.pkl", "wb") as f:
                 pickle.dump((g.extracted.problem, g.budget), f)
+    proof = {}
+    if prove:
+        start = time.perf_counter()
+        proved = [solvers.prove(g.extracted.problem, g.plan, prove) for g in graphs]
+        bound = sum(p.bound for p in proved)
+        proof = {"proven gap": (cost - bound) / cost if cost else 0.0}
+        proof["prove s"] = time.perf_counter() - start
     return {
         "problem nodes": sum(len(g.extracted.problem) for g in graphs),
         **{f"{k} s": v for k, v in phase.items()},
@@ -105,6 +118,7 @@ def remat_row(model, inputs, budget: float, save: Path | None, tag: str) -> dict
         "gap": gap,
         "predicted peak": max(p.peak for p in plans),
         "solver": ", ".join(sorted({p.solver for p in plans})),
+        **proof,
     }
 
 
@@ -115,6 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default="0.7,0.5,0.3")
     parser.add_argument("--only", choices=("torch", "remat"))
     parser.add_argument("--save-problems", type=Path)
+    parser.add_argument("--prove", type=float, metavar="SECONDS")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
@@ -129,7 +144,7 @@ def main(argv=None) -> int:
             if args.only != "torch":
                 tag = f"{args.model}{layers}-{budget}"
                 try:
-                    r = remat_row(model, inputs, budget, args.save_problems, tag)
+                    r = remat_row(model, inputs, budget, args.save_problems, tag, args.prove)
                 except remat.InfeasibleBudget as refusal:  # no plan fits: say so, go on
                     r = {"refused": f"minimum {refusal.minimum / refusal.store_all:.3f}"}
                 row |= {f"remat {k}": v for k, v in r.items()}

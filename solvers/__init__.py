@@ -9,6 +9,7 @@ from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudge
 from .heuristics import greedy, recompute_all, store_all
 from .plan import Plan, evaluate, format_bytes, held_bytes, saved_bytes, step_seconds
 from .problem import Node, Problem
+from .proof import prove
 from .schedule import InvalidPlan, Schedule, schedule
 from .simulate import Timeline, simulate
 from .solve import SOLVERS, min_peak_plan, solve, solver_for
@@ -30,6 +31,7 @@ __all__ = [
     "greedy",
     "held_bytes",
     "min_peak_plan",
+    "prove",
     "recompute_all",
     "RematError",
     "saved_bytes",

@@ -38,7 +38,8 @@ import time
 
 from .blocks import Blocks, find_blocks
 from .cpsat import GAP_LIMIT, add_points, cpsat
-from .heuristics import exchange, savable
+from .exchange import exchange
+from .heuristics import savable
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, with_bound
 from .problem import Problem

@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 from test_properties import any_problem
 
 from remat.solvers import InfeasibleBudget, Node, Problem, evaluate, store_all
+from remat.solvers.exchange import exchange
 from remat.solvers.heuristics import (
     FILL_TRIALS,
     _drop_saves,
     _ranked_groups,
     _victims,
     descend,
-    exchange,
     fill,
     greedy,
     nearest_fit,
