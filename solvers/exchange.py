@@ -8,9 +8,9 @@ from .heuristics import savable
 from .plan import Plan, evaluate
 from .problem import Problem
 
-# The saves tried as the one taken in, per round (the costliest kinds), and
-# its rounds: each round is a few dozen simulations, the plans that gained took one to
-# three (see docs/solver-notes.md, "Adopted": one costly save for cheap ones).
+# The saves tried as the one taken in, per round (the costliest kinds), and the rounds:
+# each a few dozen simulations; the Llama plans that gained made four or five moves
+# (see docs/solver-notes.md, "Adopted": one costly save for cheap ones).
 EXCHANGE_ADDS = 8
 EXCHANGE_ROUNDS = 8
 EXCHANGE_TRIES = 4  # simulations of one exchange before it is given up
