@@ -96,15 +96,17 @@ def _made_room(plan: Plan, trial, queue: list, i: int, gain: float, over: int, b
         if need > 0:
             continue
         taken, tries = trial(saved), tries + 1
-        if taken.cost >= plan.cost or tries == EXCHANGE_TRIES:
-            return None if taken.peak > budget or taken.cost >= plan.cost else taken
+        if taken.cost >= plan.cost:
+            return None
         if taken.peak <= budget:
             for j in reversed(dropped):  # the estimates overshoot: give back what fits
                 back = trial(taken.saved | {j})
                 if back.peak <= budget and back.cost < taken.cost:
                     taken = back
             return taken
-        need = taken.peak - budget
+        if tries == EXCHANGE_TRIES:
+            return None
+        need = taken.peak - budget  # the simulator's word over the estimates'
     return None
 
 

@@ -49,7 +49,7 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
     lp = solve_lp(relax.model, seconds)
     before = bound = plan.bound or 0.0
     rounds = 0
-    answer = None if lp is None else evaluate(problem, relax.saved_set(lp.value), solver="proof")
+    answer = None if lp is None else evaluate(problem, relax.saved_set(lp.value), solver="prove")
     if lp is not None:
         bound = max(bound, lp.bound / relax.scale)
     while answer is not None and answer.peak > budget and add_points(relax, answer, POINTS):
@@ -61,7 +61,7 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
         bound = max(bound, mip.bound / relax.scale)
         if not mip.closed or not mip.values or plan.cost - bound <= CLOSE * plan.cost:
             break
-        answer = evaluate(problem, relax.saved_set(mip.value), solver="proof")
+        answer = evaluate(problem, relax.saved_set(mip.value), solver="prove")
     if answer is not None and answer.peak <= budget and answer.cost < plan.cost:
         plan = answer  # the MIP's optimum fits: a cheaper plan, proven with its bound
     log.info(
@@ -73,5 +73,5 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
         "" if rounds == 1 else "s",
         time.perf_counter() - start,
     )
-    seconds = time.perf_counter() - start if plan.solver == "proof" else plan.solve_seconds
-    return with_bound(plan, bound, solver=plan.solver, budget=budget, seconds=seconds)
+    spent = time.perf_counter() - start if plan.solver == "prove" else plan.solve_seconds
+    return with_bound(plan, bound, solver=plan.solver, budget=budget, seconds=spent)
