@@ -39,11 +39,17 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
     MIP's optimum overflows the simulator, the steps where it does are made exact and
     the MIP solved again; where its optimum fits, that is a plan too, returned if it is
     cheaper (the MIP's rounds are an exact solver, slow: see docs/solver-notes.md). ``plan``
-    must fit its budget (``Plan.budget``)."""
+    must fit its budget (``Plan.budget``) and recompute each value at most once (the plans
+    the relaxation describes)."""
     if not seconds > 0:
         raise ValueError(f"seconds must be positive, got {seconds!r}")
     if plan.budget is None or plan.peak > plan.budget:
         raise ValueError("prove needs a plan that fits its budget (a solver's answer)")
+    if plan.multiple:
+        raise ValueError(
+            "prove bounds plans that recompute each value once; this plan recomputes some "
+            "more than once (sqrt, revolve), and may be cheaper than that bound"
+        )
     start, budget = time.perf_counter(), plan.budget
     relax = Relaxation(problem, budget, exact=False)
     lp = solve_lp(relax.model, seconds)

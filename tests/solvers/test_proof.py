@@ -13,11 +13,13 @@ from test_heuristic_steps import _read_last
 from test_properties import any_problem
 
 from remat.solvers import RematError, evaluate, greedy, store_all
+from remat.solvers.chain import revolve
 from remat.solvers.cpsat import cpsat
 from remat.solvers.linear_bound import solve_lp, solve_mip
+from remat.solvers.plan import with_bound
 from remat.solvers.proof import prove
 from remat.solvers.relaxation import Relaxation
-from remat.solvers.synthetic import layered
+from remat.solvers.synthetic import chain, layered
 
 pytest.importorskip("highspy", reason="the MIP bound needs the 'prove' extra")
 
@@ -123,6 +125,15 @@ def test_prove_refuses_a_plan_over_its_budget_and_a_bad_time():
         prove(problem, over)
     with pytest.raises(ValueError, match="seconds must be positive"):
         prove(problem, plan, seconds=0)
+
+
+def test_prove_refuses_a_plan_that_recomputes_a_value_more_than_once():
+    problem = chain(12)
+    plan = revolve(problem, None, slots=1)
+    assert plan.multiple
+    fitting = with_bound(plan, 0.0, solver="revolve", budget=plan.peak, seconds=0.0)
+    with pytest.raises(ValueError, match="more than once"):
+        prove(problem, fitting)
 
 
 def test_without_highspy_the_error_names_the_extra(monkeypatch):
