@@ -65,6 +65,14 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
             break
         rounds += 1
         bound = max(bound, mip.bound / relax.scale)
+        log.info(
+            "remat %s: MIP round %d: bound %.6g, %.2f%% under the plan (%.1fs)",
+            problem.name or "graph",
+            rounds,
+            bound,
+            100 * (plan.cost - bound) / plan.cost if plan.cost else 0.0,
+            time.perf_counter() - start,
+        )
         if not mip.closed or not mip.values or plan.cost - bound <= CLOSE * plan.cost:
             break
         answer = evaluate(problem, relax.saved_set(mip.value), solver="prove")
