@@ -18,7 +18,7 @@ in every block (docs/solver-notes.md, "Repeated blocks"). So, with
    LP was least sure of dropped until the plan fits (bisection): where the optimum
    mixes several patterns, or the blocks' edges weigh;
 5. where the best of those is not proven within the gap limit (``cpsat``'s),
-   ``heuristics.exchange``: one more costly save for a few cheap ones, while that fits
+   ``exchange.exchange``: one more costly save for a few cheap ones, while that fits
    (the families give a position to whole runs of blocks; the optimum also trades
    single values, say one block's projection saved for four blocks' small values);
 6. where it is still not proven, the LP once more, with the backward step where its
