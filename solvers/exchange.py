@@ -9,14 +9,13 @@ from .plan import Plan, evaluate
 from .problem import Problem
 
 # The saves tried as the one taken in, per round (the costliest kinds), and the rounds:
-# each a few dozen simulations; the Llama plans that gained made four or five moves
+# each round a few dozen simulations, and the plans that gained needed few
 # (see docs/solver-notes.md, "Adopted": one costly save for cheap ones).
 EXCHANGE_ADDS = 8
 EXCHANGE_ROUNDS = 8
 EXCHANGE_TRIES = 4  # simulations of one exchange before it is given up
 # Kinds simulated per round as saves (the costliest) and as drops (the least recompute
-# seconds per byte): bounds a round on graphs with many kinds (deep Llama and GPT-2
-# graphs at 30%: 8-33 of each).
+# seconds per byte): bounds a round where a graph has many kinds (deep models have tens).
 EXCHANGE_KINDS = 64
 
 

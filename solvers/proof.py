@@ -24,8 +24,8 @@ from .relaxation import Relaxation
 
 log = logging.getLogger("remat")
 
-# Exact points added per round, where the answer overflows most: each grows the MIP (two
-# lifted llama32 30% no higher than one, in a third more time; docs/solver-notes.md).
+# Exact points added per round, where the answer overflows most: each grows the MIP, and
+# a second lifted no bound (docs/solver-notes.md, "MIP bounds").
 POINTS = 1
 # HiGHS stops a MIP within this relative gap of its own optimum (its ``mip_rel_gap``), so
 # a bound this close to the plan is as close as another round can prove.
