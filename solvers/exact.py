@@ -203,7 +203,7 @@ class Exact:
         # Where R's own op makes it, "kept" and "recomputed by then" exclude each other
         # (a saved member forbids re-running R: ``_structure``), so their max is their
         # sum in every plan; given the sum, the LP cannot count an R half saved and half
-        # recomputed as half live (see docs/solver-notes.md, "Adopted": LP-binding points)
+        # recomputed as half live (see docs/solver-notes.md, "Adopted": a point's liveness)
         for lit in [sum(made)] if maker == R else made:
             m.Add(live >= lit if later is None else live >= lit + later - 1)
         if later is not None and R not in self.use:
