@@ -9,6 +9,7 @@ program's.
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from remat.solvers import Plan
@@ -17,14 +18,24 @@ from ._torch_compat import extract_fwd_bwd_modules
 from .extract import Extracted, is_resident, is_symbolic
 from .rng import restore_in_backward
 
+aten = torch.ops.aten
+
 
 class ScheduleMismatch(AssertionError):
     """The extracted graphs do not run the nodes the schedule says: a remat bug."""
 
 
 def rewrite(
-    joint: fx.GraphModule, extracted: Extracted, plan: Plan, num_fwd_outputs: int
+    joint: fx.GraphModule,
+    extracted: Extracted,
+    plan: Plan,
+    num_fwd_outputs: int,
+    *,
+    eager: bool = True,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward programs of ``plan``; ``eager``: they run op by op (not
+    through a compiler that lays tensors out itself), so their views are made reshapes
+    (``reshape_views``)."""
     nodes = extracted.fx_nodes
     sched = plan.schedule
     saved = [nodes[i] for i in sorted(sched.saved)]
@@ -46,7 +57,22 @@ def rewrite(
     _drop_unscheduled_dead_code(bw, {n.name for n in backward_nodes})
     _reorder(fw, [nodes[i].name for i in sched.forward], "forward")
     _reorder(bw, [n.name for n in backward_nodes], "backward")
+    if eager:
+        reshape_views(fw)
+        reshape_views(bw)
     return fw, bw
+
+
+def reshape_views(gm: fx.GraphModule) -> None:
+    """Make each ``aten.view`` an ``aten.reshape``: the same view wherever the strides
+    allow one, and a copy, as eager's own reshape makes, where the tensor met at run time
+    is laid out otherwise than the tracer's fake one said. (A fake batch norm keeps a
+    non-contiguous input's layout where the CPU kernel returns a contiguous output, so a
+    traced ``view`` after a transpose fails when run: docs/architecture.md, "Modules".)"""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.view.default:
+            node.target = aten.reshape.default
+    gm.recompile()
 
 
 def _drop_unscheduled_dead_code(gm: fx.GraphModule, scheduled: set[str]) -> None:

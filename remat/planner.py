@@ -59,6 +59,7 @@ log = logging.getLogger("remat")
 
 TORCH_CANDIDATE = "torch-min-cut"  # the name a plan taken from torch's partition carries
 
+
 @dataclass(frozen=True)
 class GraphPlan:
     """What remat decided for one compiled graph, with the numbers behind it."""
@@ -85,7 +86,6 @@ class GraphPlan:
     def step_seconds(self) -> float:
         """The estimated time of the graph's forward and backward under the plan."""
         return step_seconds(self.extracted.problem, self.plan)
-
 
 
 class Planner:
@@ -143,7 +143,7 @@ class Planner:
         candidates = functools.partial(self._candidates, joint, num_fwd_outputs, extracted)
         plan = self._first_plan(problem, limit, name, held, candidates)
         solved_at = time.perf_counter()
-        fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs)
+        fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs, eager=self.compiler == "eager")
         done = time.perf_counter()
         phases = {
             "extract": extracted_at - start,

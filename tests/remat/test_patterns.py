@@ -146,6 +146,19 @@ class Checkpointed(nn.Module):
         return self.head(h.relu()).square().mean()
 
 
+class ChannelNorm(nn.Module):
+    """BatchNorm over a sequence's channels (transposed in and back), then a linear layer:
+    traced, the linear's ``view`` met a layout the CPU batch norm does not return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.BatchNorm1d(16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(h).relu().square().mean()
+
+
 def _save_matmuls(ctx, op, *args, **kwargs):
     """A selective-activation-checkpointing policy: keep matmul outputs, recompute others."""
     if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
@@ -169,12 +182,13 @@ X = torch.randn(8, 16)
         (Frozen, (X,), None),
         (Aliasing, (X,), None),
         (Checkpointed, (X,), None),
+        (ChannelNorm, (torch.randn(4, 6, 16),), None),
         (functools.partial(
             Checkpointed, functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
         ), (X,), None),
     ],
     ids=["in-place", "backward(grad)", "int-and-bool", "frozen", "aliasing", "checkpoint",
-         "sac-policy"],
+         "channel-norm", "sac-policy"],
 )  # fmt: skip
 def test_pattern_trains_as_eager(make, inputs, grad):
     torch.manual_seed(0)
