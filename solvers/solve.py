@@ -6,6 +6,7 @@ import contextlib
 import functools
 import gc
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 
@@ -25,18 +26,18 @@ log = logging.getLogger("remat")
 
 
 def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
-    """CP-SAT, which starts from the greedy plan and returns it when it finds nothing
-    better in its time limit: never worse than the greedy, with a bound when it can. On
-    graphs of ``REPEATED_MIN_NODES`` or more, ``repeated`` (one pattern for a deep
-    model's repeated blocks; CP-SAT where it finds none). Below the floor of plans that
-    recompute each value once, the binomial schedule over the graph's chain of stages
-    (``revolve``), which recomputes some more than once. ``cpsat_options`` go to CP-SAT
-    (``time_limit``, ``probes``)."""
+    """``repeated``'s pattern plan where its bound proves it within the gap limit (one LP
+    and a few dozen simulations), else CP-SAT (which starts from the greedy plan and
+    returns it when it finds nothing better in its time limit: never worse than the
+    greedy, with a bound when it can) and the cheaper of the two plans, with the higher
+    bound. From ``REPEATED_MIN_NODES`` nodes ``repeated`` alone. Below the floor of plans
+    that recompute each value once, the binomial schedule over the graph's chain of
+    stages (``revolve``), which recomputes some more than once. ``cpsat_options`` go to
+    CP-SAT (``time_limit``, ``gap_limit``, ``probes``)."""
     from . import cpsat as module  # the module's function, so tests can watch it
 
-    run = repeated if len(problem) >= REPEATED_MIN_NODES else module.cpsat
     try:
-        return run(problem, budget, **cpsat_options)
+        return _patterns_or_search(problem, budget, module.cpsat, cpsat_options)
     except InfeasibleBudget as refusal:
         low = lowest_chain_peak(problem)
         if low is None or low.peak >= refusal.minimum:
@@ -46,10 +47,35 @@ def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
         return revolve(problem, budget)
 
 
-# From this size ``auto`` plans repeated blocks by pattern: faster than CP-SAT on the
-# whole graph and no costlier there, where below it CP-SAT proves optima in seconds
-# (see docs/solver-notes.md, "Repeated blocks").
+# From this size ``auto`` plans repeated blocks by pattern alone: CP-SAT on the whole
+# graph takes minutes there, and the patterns are no costlier (see docs/solver-notes.md,
+# "Repeated blocks").
 REPEATED_MIN_NODES = 5_000
+
+
+def _patterns_or_search(problem: Problem, budget: int | None, search, options: dict) -> Plan:
+    """``auto``'s plan (its docstring): below ``REPEATED_MIN_NODES`` CP-SAT's search only
+    where the patterns are not proven within the gap limit (see docs/solver-notes.md,
+    "Repeated blocks": the patterns first)."""
+    if budget is None:
+        return search(problem, budget, **options)
+    if len(problem) >= REPEATED_MIN_NODES:
+        return repeated(problem, budget, **options)
+    start = time.perf_counter()
+    patterns = repeated(problem, budget, **options)  # CP-SAT itself where no block repeats
+    if patterns.solver != "repeated" or patterns.gap <= options.get("gap_limit", GAP_LIMIT):
+        return patterns
+    searched = search(problem, budget, **options)
+    best = min((searched, patterns), key=lambda plan: plan.cost)
+    return with_bound(
+        best,
+        max(patterns.bound, searched.bound),
+        solver=best.solver,
+        budget=budget,
+        seconds=time.perf_counter() - start,
+        proven=searched.status == "optimal",
+    )
+
 
 CPSAT_SOLVERS = ("auto", "cpsat", "repeated")  # the names that run CP-SAT, so take its time limit
 
@@ -189,7 +215,8 @@ def _checked(problem: Problem, plan: object, solver: str | Solver) -> Plan:
     if wrong:
         raise InvalidPlan(
             f"solver {name} returned a plan that is not what its saved values make: "
-            + "; ".join(wrong) + ". Build plans with remat.solvers.evaluate."
+            + "; ".join(wrong)
+            + ". Build plans with remat.solvers.evaluate."
         )
     return plan
 
@@ -217,4 +244,3 @@ def min_peak_plan(problem: Problem) -> Plan:
     lowest, or a chain schedule's where the graph is a chain and that is lower."""
     plans = [greedy(problem), lowest_chain_peak(problem)]
     return min((p for p in plans if p is not None), key=lambda p: p.peak)
-

@@ -340,7 +340,8 @@ def test_pareto_cli_usage_errors(capsys):
 
 def test_time_limit_reaches_cpsat_in_every_command(capsys, monkeypatch):
     """plan, train, bench and pareto take --time-limit; it is CP-SAT's, so only the rows
-    of solvers that run CP-SAT get it (bench with --solvers cpsat,greedy)."""
+    of solvers that run CP-SAT get it (bench with --solvers cpsat,greedy). ``--solver
+    cpsat``: ``auto`` may keep a pattern plan its bound proves without searching."""
     from remat.solvers import cpsat as module
 
     limits, real = [], module.cpsat
@@ -353,8 +354,8 @@ def test_time_limit_reaches_cpsat_in_every_command(capsys, monkeypatch):
     small = ["mlp", "--size", "layers=2", "--size", "width=16", "--size", "batch=8", "-q"]
     fast = ["--repeat", "1", "--time-limit", "0.5"]
     commands = [
-        ["plan", *small, "--budget", "0.95", "--time-limit", "0.5"],
-        ["train", *small, "--budget", "0.95", "--steps", "1", *fast],
+        ["plan", *small, "--budget", "0.95", "--solver", "cpsat", "--time-limit", "0.5"],
+        ["train", *small, "--budget", "0.95", "--solver", "cpsat", "--steps", "1", *fast],
         ["bench", *small, "--budgets", "0.95", "--solvers", "cpsat,greedy", *fast],
         ["pareto", *small, "--points", "2", "--solver", "cpsat", *fast],
     ]

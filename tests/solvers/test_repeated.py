@@ -99,12 +99,46 @@ def test_middle_blocks_share_their_saved_positions():
     assert len({frozenset(p) for p in saved_positions}) <= len(saved_positions) // 2
 
 
-def test_auto_plans_large_graphs_by_pattern(monkeypatch):
+def test_auto_plans_large_graphs_by_pattern_alone(monkeypatch):
     problem = layered(12)
     budget = int(store_all(problem).peak * 0.5)
-    assert solve(problem, budget).solver == "cpsat"  # below REPEATED_MIN_NODES
     monkeypatch.setattr(solve_module, "REPEATED_MIN_NODES", len(problem))
     assert solve(problem, budget).solver == "repeated"
+
+
+def test_auto_takes_a_pattern_plan_its_bound_proves_and_searches_no_further(monkeypatch):
+    # layered(12) at 80%: the pattern plan is proven within 2.9%, so within a 10% limit
+    problem = layered(12)
+    budget = int(store_all(problem).peak * 0.8)
+    cpsat_module = importlib.import_module("remat.solvers.cpsat")
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(cpsat_module, "cpsat", no_search)
+    plan = solve_module.auto(problem, budget, gap_limit=0.1)
+    assert plan.solver == "repeated" and plan.gap <= 0.1 and plan.peak <= budget
+
+
+def test_auto_searches_where_the_pattern_plan_is_not_proven_and_keeps_the_cheaper(monkeypatch):
+    # layered(12) at 50%: the pattern plan is 7.6% over its bound, CP-SAT proves its own
+    problem = layered(12)
+    budget = int(store_all(problem).peak * 0.5)
+    patterns = repeated(problem, budget)
+    assert patterns.solver == "repeated" and patterns.gap > 0.01
+    cpsat_module = importlib.import_module("remat.solvers.cpsat")
+    searches = []
+
+    def watched(*args, **kwargs):
+        searches.append(cpsat(*args, **kwargs))
+        return searches[-1]
+
+    monkeypatch.setattr(cpsat_module, "cpsat", watched)
+    plan = solve_module.auto(problem, budget)
+    assert len(searches) == 1
+    assert plan.cost == min(patterns.cost, searches[0].cost) and plan.peak <= budget
+    assert plan.bound == pytest.approx(min(plan.cost, max(patterns.bound, searches[0].bound)))
+    assert plan.gap <= 0.01
 
 
 def test_a_budget_no_pattern_meets_is_refused_with_the_minimum():
