@@ -51,7 +51,7 @@ def copy_unviewable_views(joint: fx.GraphModule) -> int:
             copy = graph.call_function(
                 aten.clone.default, (source,), {"memory_format": torch.contiguous_format}
             )
-            copy.meta = dict(source.meta)
+            copy.meta = {k: v for k, v in source.meta.items() if k != "tensor_meta"}  # stale
             copy.meta["val"] = source.meta["val"].clone(memory_format=torch.contiguous_format)
         node.target = aten._unsafe_view.default
         node.args = (copy, *node.args[1:])
