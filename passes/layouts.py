@@ -102,6 +102,10 @@ def _real_output_strides(node: fx.Node) -> tuple[int, ...] | None:
     index = None
     if node.target is operator.getitem:
         node, index = node.args
+    devices = {
+        v.device for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)
+    }
+    cuda = [d for d in devices if d.type == "cuda"]  # a random op keeps the step's generator
 
     def make(a):
         if isinstance(a, fx.Node):
@@ -114,7 +118,7 @@ def _real_output_strides(node: fx.Node) -> tuple[int, ...] | None:
         return a
 
     try:
-        with real_tensors(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with real_tensors(), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             args, kwargs = tree_map(make, (node.args, node.kwargs))
             out = node.target(*args, **kwargs)
     except Exception:  # an op synthetic inputs cannot drive: left as traced
