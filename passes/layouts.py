@@ -1,17 +1,21 @@
-"""Make explicit the copies a traced ``view`` turns into at run time.
+"""Make a tensor whose run-time layout differs from its traced one read as traced.
 
 The joint graph is traced with fake tensors, whose strides come from each op's fake
 kernel. Where a real kernel lays its output out otherwise (torch 2.13's fake batch norm
-keeps a non-contiguous input's layout, the CPU kernel returns a contiguous output), a
-``view`` traced after it may not be a view of the real tensor: the programs then run it
-as a reshape, which copies (``rewrite.reshape_views``), and a copy the memory model did
-not see would break the budget. So where that happens the view is rewritten as the
-tracer would have written it had it known the real layout: a contiguous ``clone`` and
-an ``_unsafe_view`` of it, an allocation the cost model counts.
+keeps a non-contiguous input's layout, the CPU kernel returns a contiguous output), the
+difference travels on through the ops that follow (a ``relu`` keeps its input's layout):
+a ``view`` traced after it may not be a view of the real tensor (the programs then run
+it as a reshape, which copies: ``rewrite.reshape_views``), and a kernel may copy the
+input itself (a convolution does), copies the memory model did not see, which would
+break the budget. So where the traced layout is contiguous its readers read a
+contiguous ``clone``: the layout the tracer and the kernels' measurements assumed, and
+an allocation the cost model counts.
 
-Only kernels whose fake output is not contiguous are run (once, on synthetic inputs):
-the mismatch seen is a fake kernel keeping a layout the real one does not, and running
-every kernel would cost seconds on deep models (docs/architecture.md, "Modules").
+One pass in graph order follows the real layouts that differ from the fake ones: views
+replayed on the meta device, kernels run once on zero inputs, but only kernels whose fake
+output is not contiguous (the mismatch seen: a fake kernel keeping a layout the real one
+does not) or that read a tensor laid out otherwise than traced; running every kernel
+would cost seconds on deep models (docs/architecture.md, "Modules").
 """
 
 from __future__ import annotations
@@ -21,54 +25,69 @@ import operator
 import torch
 from torch import fx
 
+from remat.costs.flags import is_collective, reads_opaque_buffer
+
 from ._torch_compat import op_schema, real_tensors, tree_map
 
 aten = torch.ops.aten
 
 
-def copy_unviewable_views(joint: fx.GraphModule) -> int:
-    """Rewrite each ``aten.view`` that the real layout of its base cannot serve as a view
-    into ``_unsafe_view(clone(x))``. Returns how many were rewritten."""
-    graph, real_strides, rewritten = joint.graph, {}, 0
+def restore_traced_layouts(joint: fx.GraphModule) -> int:
+    """Where a tensor's run-time layout differs from its traced, contiguous one, its
+    readers read a contiguous ``clone`` of it instead: a ``view`` the real layout cannot
+    serve, and every kernel (whose measured memory assumed the traced layout; a
+    convolution copies a non-contiguous input itself). Returns how many copies were
+    made."""
+    graph = joint.graph
+    real: dict[fx.Node, tuple[int, ...]] = {}  # strides where the real layout differs
+    outputs: dict[fx.Node, list] = {}  # a multi-output kernel run: its outputs' strides
+    copies: dict[fx.Node, fx.Node] = {}  # a tensor -> its contiguous copy
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.view.default:
+        fake = node.meta.get("val")
+        if node.op != "call_function":
             continue
-        chain, base = _views_down_to_base(node.args[0])
-        fake = base.meta.get("val")
-        if not _runs_as_kernel(base) or not isinstance(fake, torch.Tensor):
-            continue
-        if fake.is_contiguous():
-            continue
-        if base not in real_strides:
-            real_strides[base] = _real_output_strides(base)
-        strides = real_strides[base]
-        if strides is None or strides == fake.stride():
-            continue
-        if _viewable(fake, strides, chain, node.args[1]):
-            continue
-        with graph.inserting_before(node):
-            source = node.args[0]
+        if node.target is operator.getitem:
+            produced = outputs.get(node.args[0])
+            strides = produced[node.args[1]] if produced is not None else None
+        elif _is_plain_view(node):
+            if node.args[0] not in real:
+                continue
+            strides = _replayed(node, real[node.args[0]])
+            if strides is None and node.target is aten.view.default:
+                _read_copy(graph, node, node.args[0], copies)
+                continue
+        else:
+            for source in node.all_input_nodes:
+                if source in real and source.meta["val"].is_contiguous():
+                    _read_copy(graph, node, source, copies)
+            if not (_reads_otherwise(node, real) or _not_contiguous(fake)):
+                continue
+            produced = _run(node, real)
+            if produced is None:
+                continue
+            if not isinstance(fake, torch.Tensor):
+                outputs[node] = produced
+                continue
+            strides = produced[0]
+        if strides is not None and isinstance(fake, torch.Tensor) and strides != fake.stride():
+            real[node] = strides
+    if copies:
+        joint.recompile()
+    return len(copies)
+
+
+def _read_copy(graph: fx.Graph, reader: fx.Node, source: fx.Node, copies: dict) -> None:
+    """``reader`` reads a contiguous ``clone`` of ``source`` (one per source, made
+    before its first such reader)."""
+    if source not in copies:
+        with graph.inserting_before(reader):
             copy = graph.call_function(
                 aten.clone.default, (source,), {"memory_format": torch.contiguous_format}
             )
-            copy.meta = {k: v for k, v in source.meta.items() if k != "tensor_meta"}  # stale
-            copy.meta["val"] = source.meta["val"].clone(memory_format=torch.contiguous_format)
-        node.target = aten._unsafe_view.default
-        node.args = (copy, *node.args[1:])
-        rewritten += 1
-    if rewritten:
-        joint.recompile()
-    return rewritten
-
-
-def _views_down_to_base(node: fx.Node) -> tuple[list[fx.Node], fx.Node]:
-    """The view ops that make ``node`` from the tensor they view, in the order they apply,
-    and that tensor."""
-    chain = []
-    while node.op == "call_function" and _is_plain_view(node):
-        chain.append(node)
-        node = node.args[0]
-    return list(reversed(chain)), node
+        copy.meta = {k: v for k, v in source.meta.items() if k != "tensor_meta"}  # stale
+        copy.meta["val"] = source.meta["val"].clone(memory_format=torch.contiguous_format)
+        copies[source] = copy
+    reader.replace_input_with(source, copies[source])
 
 
 def _is_plain_view(node: fx.Node) -> bool:
@@ -88,20 +107,39 @@ def _is_plain_view(node: fx.Node) -> bool:
     )
 
 
-def _runs_as_kernel(node: fx.Node) -> bool:
-    """An op's output, or one output of a multi-output op."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        node = node.args[0]
-    return node.op == "call_function" and op_schema(node.target) is not None
+def _not_contiguous(fake) -> bool:
+    """A fake output (or one of several) laid out otherwise than contiguously."""
+    values = fake if isinstance(fake, (tuple, list)) else (fake,)
+    return any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in values)
 
 
-def _real_output_strides(node: fx.Node) -> tuple[int, ...] | None:
-    """The strides the real kernel gives ``node`` (an op's output, or a getitem of a
-    multi-output op's) on zero-filled inputs laid out as the fake ones; None where it
-    cannot run on them."""
-    index = None
-    if node.target is operator.getitem:
-        node, index = node.args
+def _reads_otherwise(node: fx.Node, real: dict) -> bool:
+    return any(a in real for a in node.all_input_nodes)
+
+
+def _tensor(value: torch.Tensor, strides, device) -> torch.Tensor:
+    return torch.empty_strided(value.shape, strides, dtype=value.dtype, device=device)
+
+
+def _replayed(view: fx.Node, base_strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``view``'s strides over a base laid out with ``base_strides`` (on the meta device),
+    or None where the view cannot be taken of it."""
+    base = view.args[0].meta["val"]
+    try:
+        out = view.target(_tensor(base, base_strides, "meta"), *view.args[1:], **view.kwargs)
+    except (RuntimeError, ValueError):  # (on the meta device a failed view is a ValueError)
+        return None
+    return tuple(out.stride())
+
+
+def _run(node: fx.Node, real: dict) -> list | None:
+    """The strides of the tensors ``node``'s real kernel returns (None for other
+    outputs) on zero inputs laid out as they are at run time; None where it cannot run
+    on them, or must not run alone (collectives, kernels reading an opaque buffer)."""
+    if op_schema(node.target) is None or is_collective(node.target):
+        return None
+    if reads_opaque_buffer(node.target):
+        return None
     devices = {
         v.device for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)
     }
@@ -111,9 +149,7 @@ def _real_output_strides(node: fx.Node) -> tuple[int, ...] | None:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return torch.empty_strided(
-                    v.shape, v.stride(), dtype=v.dtype, device=v.device
-                ).zero_()
+                return _tensor(v, real.get(a, v.stride()), v.device).zero_()
             return v
         return a
 
@@ -123,18 +159,5 @@ def _real_output_strides(node: fx.Node) -> tuple[int, ...] | None:
             out = node.target(*args, **kwargs)
     except Exception:  # an op synthetic inputs cannot drive: left as traced
         return None
-    if index is not None:
-        out = out[index]
-    return tuple(out.stride()) if isinstance(out, torch.Tensor) else None
-
-
-def _viewable(fake: torch.Tensor, strides: tuple[int, ...], chain: list, shape) -> bool:
-    """Whether ``view(shape)`` after ``chain`` works on a tensor laid out with ``strides``."""
-    t = torch.empty_strided(fake.shape, strides, dtype=fake.dtype, device="meta")
-    try:
-        for view in chain:
-            t = view.target(t, *view.args[1:], **view.kwargs)
-        t.view(shape)
-    except (RuntimeError, ValueError):  # (on the meta device a failed view is a ValueError)
-        return False
-    return True
+    values = out if isinstance(out, (tuple, list)) else (out,)
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in values]

@@ -66,9 +66,9 @@ def rewrite(
 def reshape_views(gm: fx.GraphModule) -> None:
     """Make each ``aten.view`` an ``aten.reshape``: the same view wherever the strides
     allow one, and a copy, as eager's own reshape makes, where the tensor met at run time
-    is laid out otherwise than the tracer's fake one said and ``layouts`` did not see it
-    (it runs only kernels with a non-contiguous fake output): a step that runs, where a
-    view would fail (docs/architecture.md, "Modules")."""
+    is laid out otherwise than the tracer's fake one said and ``layouts`` could not
+    restore it (a traced layout that is not contiguous): a step that runs, where a view
+    would fail (docs/architecture.md, "Modules")."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is aten.view.default:
             node.target = aten.reshape.default

@@ -32,7 +32,7 @@ from remat.errors import DynamicShapes
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import Extracted, extract
-from remat.passes.layouts import copy_unviewable_views
+from remat.passes.layouts import restore_traced_layouts
 from remat.passes.min_cut import torch_saved
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
@@ -132,9 +132,10 @@ class Planner:
         compile_id = CompileContext.current_compile_id()
         dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
         replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
-        copied = copy_unviewable_views(joint)  # a view the real layout makes a copy
+        copied = restore_traced_layouts(joint)  # read as traced: copies where a layout differs
         log.debug(
-            "remat %s: %d identity clones dropped, %d dropouts replayed, %d views copied",
+            "remat %s: %d identity clones dropped, %d dropouts replayed, %d tensors read "
+            "as traced through a copy",
             name,
             dropped,
             replayed,
