@@ -12,10 +12,11 @@ contiguous ``clone``: the layout the tracer and the kernels' measurements assume
 an allocation the cost model counts.
 
 One pass in graph order follows the real layouts that differ from the fake ones: views
-replayed on the meta device, kernels run once on zero inputs, but only kernels whose fake
-output is not contiguous (the mismatch seen: a fake kernel keeping a layout the real one
-does not) or that read a tensor laid out otherwise than traced; running every kernel
-would cost seconds on deep models (docs/architecture.md, "Modules").
+replayed on the meta device, kernels run once on synthetic inputs laid out as at run
+time (``costs.measured.output_strides``), but only kernels whose fake output is not
+contiguous (the mismatch seen: a fake kernel keeping a layout the real one does not) or
+that read a tensor laid out otherwise than traced; running every kernel would cost
+seconds on deep models (docs/architecture.md, "Modules").
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import operator
 import torch
 from torch import fx
 
-from remat.costs.flags import is_collective, reads_opaque_buffer
+from remat.costs.measured import output_strides
 
-from ._torch_compat import op_schema, real_tensors, tree_map
+from ._torch_compat import op_schema
 
 aten = torch.ops.aten
 
@@ -60,9 +61,9 @@ def restore_traced_layouts(joint: fx.GraphModule) -> int:
             for source in node.all_input_nodes:
                 if source in real and source.meta["val"].is_contiguous():
                     _read_copy(graph, node, source, copies)
-            if not (_reads_otherwise(node, real) or _not_contiguous(fake)):
+            if not (any(a in real for a in node.all_input_nodes) or _not_contiguous(fake)):
                 continue
-            produced = _run(node, real)
+            produced = output_strides(node, real)
             if produced is None:
                 continue
             if not isinstance(fake, torch.Tensor):
@@ -113,51 +114,13 @@ def _not_contiguous(fake) -> bool:
     return any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in values)
 
 
-def _reads_otherwise(node: fx.Node, real: dict) -> bool:
-    return any(a in real for a in node.all_input_nodes)
-
-
-def _tensor(value: torch.Tensor, strides, device) -> torch.Tensor:
-    return torch.empty_strided(value.shape, strides, dtype=value.dtype, device=device)
-
-
 def _replayed(view: fx.Node, base_strides: tuple[int, ...]) -> tuple[int, ...] | None:
     """``view``'s strides over a base laid out with ``base_strides`` (on the meta device),
     or None where the view cannot be taken of it."""
     base = view.args[0].meta["val"]
     try:
-        out = view.target(_tensor(base, base_strides, "meta"), *view.args[1:], **view.kwargs)
+        meta = torch.empty_strided(base.shape, base_strides, dtype=base.dtype, device="meta")
+        out = view.target(meta, *view.args[1:], **view.kwargs)
     except (RuntimeError, ValueError):  # (on the meta device a failed view is a ValueError)
         return None
     return tuple(out.stride())
-
-
-def _run(node: fx.Node, real: dict) -> list | None:
-    """The strides of the tensors ``node``'s real kernel returns (None for other
-    outputs) on zero inputs laid out as they are at run time; None where it cannot run
-    on them, or must not run alone (collectives, kernels reading an opaque buffer)."""
-    if op_schema(node.target) is None or is_collective(node.target):
-        return None
-    if reads_opaque_buffer(node.target):
-        return None
-    devices = {
-        v.device for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)
-    }
-    cuda = [d for d in devices if d.type == "cuda"]  # a random op keeps the step's generator
-
-    def make(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                return _tensor(v, real.get(a, v.stride()), v.device).zero_()
-            return v
-        return a
-
-    try:
-        with real_tensors(), torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            args, kwargs = tree_map(make, (node.args, node.kwargs))
-            out = node.target(*args, **kwargs)
-    except Exception:  # an op synthetic inputs cannot drive: left as traced
-        return None
-    values = out if isinstance(out, (tuple, list)) else (out,)
-    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in values]

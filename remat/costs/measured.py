@@ -13,14 +13,20 @@ import logging
 import operator
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from remat.passes._torch_compat import op_schema, storage_of, tree_flatten, tree_map
+from remat.passes._torch_compat import (
+    op_schema,
+    real_tensors,
+    storage_of,
+    tree_flatten,
+    tree_map,
+)
 
 from ._fx import hint, meta_val, tensors_of
 from .device import DeviceSpec, estimate_seconds
@@ -34,6 +40,7 @@ __all__ = [
     "KernelMemory",
     "ProfileResult",
     "kernel_memory",
+    "output_strides",
     "profile_seconds",
     "scratch_measurable",
 ]
@@ -64,11 +71,10 @@ class ProfileResult(dict):
         return f"{len(self.fallbacks)} ops fell back to the roofline estimate: {names}{more}"
 
 
-def _storage_numel(t: torch.Tensor) -> int:
+def _storage_numel(t: torch.Tensor, strides: list[int]) -> int:
     sizes = [hint(s) for s in t.shape]
     if any(s == 0 for s in sizes):
         return 0
-    strides = [hint(s) for s in t.stride()]
     return (
         hint(t.storage_offset())
         + 1
@@ -76,8 +82,11 @@ def _storage_numel(t: torch.Tensor) -> int:
     )
 
 
-def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Real tensor with ``fake``'s shape, stride, offset and dtype on ``device``.
+def _materialise(
+    fake: torch.Tensor, device: torch.device, strides: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Real tensor with ``fake``'s shape, stride (or ``strides``), offset and dtype on
+    ``device``.
 
     Floats are standard normal, integers zero (a valid index into any non-empty
     dimension), bools runs of 64 True then 64 False. Not random bools: masks that ops
@@ -85,7 +94,8 @@ def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
     a random mask mispredicts every other branch (timings: docs/cost-model.md,
     "Kernel time").
     """
-    n = _storage_numel(fake)
+    strides = [hint(s) for s in (fake.stride() if strides is None else strides)]
+    n = _storage_numel(fake, strides)
     dtype = fake.dtype
     if dtype.is_floating_point or dtype.is_complex:
         base = torch.randn(n, dtype=dtype, device=device)
@@ -94,7 +104,6 @@ def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
     else:
         base = torch.zeros(n, dtype=dtype, device=device)
     sizes = [hint(s) for s in fake.shape]
-    strides = [hint(s) for s in fake.stride()]
     return base.as_strided(sizes, strides, hint(fake.storage_offset()))
 
 
@@ -105,9 +114,14 @@ def _materialise(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
 VALID_INPUTS: dict[str, Callable[[tuple, dict], tuple[tuple, dict]]] = {}
 
 
-def _real_args(node: fx.Node, place: Callable[[torch.device], torch.device]) -> tuple[tuple, dict]:
-    """Concrete args for ``node``: tensors materialised where ``place`` puts them (and
-    made valid where ``VALID_INPUTS`` says how)."""
+def _real_args(
+    node: fx.Node,
+    place: Callable[[torch.device], torch.device],
+    layouts: Mapping[fx.Node, tuple[int, ...]] | None = None,
+) -> tuple[tuple, dict]:
+    """Concrete args for ``node``: tensors materialised where ``place`` puts them, laid
+    out as their fake values or as ``layouts`` says (and made valid where
+    ``VALID_INPUTS`` says how)."""
     made: dict[fx.Node, Any] = {}
 
     def convert(a: Any) -> Any:
@@ -115,7 +129,8 @@ def _real_args(node: fx.Node, place: Callable[[torch.device], torch.device]) -> 
             if a not in made:
                 v = meta_val(a)
                 if isinstance(v, torch.Tensor):
-                    made[a] = _materialise(v, place(v.device))
+                    strides = layouts.get(a) if layouts else None
+                    made[a] = _materialise(v, place(v.device), strides)
                 elif isinstance(v, (torch.SymInt, int)) and not isinstance(v, bool):
                     made[a] = hint(v)
                 elif isinstance(v, (float, bool)):
@@ -253,13 +268,7 @@ def kernel_memory(
     same op, shapes, strides and dtypes. Scratch is 0 where it cannot be measured now
     (``scratch_measurable``: on CPU inside a user's profiler session).
     """
-    if (
-        node.op != "call_function"
-        or op_schema(node.target) is None
-        or is_view(node)
-        or not is_kernel(node)
-        or is_collective(node.target)
-    ):
+    if not _runs_alone(node):
         return None
     dev = torch.device(device)
     key = (node.target, _signature(node.args), _signature(node.kwargs), dev)
@@ -312,6 +321,39 @@ def kernel_memory(
     if cache is not None:
         cache[key] = result
     return result
+
+
+def _runs_alone(node: fx.Node) -> bool:
+    """A kernel that may run alone on synthetic inputs: not a view, not what launches no
+    work, not a collective (it could hang alone)."""
+    return (
+        node.op == "call_function"
+        and op_schema(node.target) is not None
+        and not is_view(node)
+        and is_kernel(node)
+        and not is_collective(node.target)
+    )
+
+
+def output_strides(
+    node: fx.Node, layouts: Mapping[fx.Node, tuple[int, ...]]
+) -> list[tuple[int, ...] | None] | None:
+    """The strides of the tensors ``node``'s real kernel returns (None for its other
+    outputs), run once on synthetic inputs laid out as their fake values or as
+    ``layouts`` says; None for an op ``kernel_memory`` would not run, or one that fails
+    on them."""
+    if not _runs_alone(node) or reads_opaque_buffer(node.target):
+        return None
+    devices = {t.device for t in tensors_of([meta_val(a) for a in node.all_input_nodes])}
+    fork = [d for d in devices if d.type == "cuda"]  # a random op keeps the step's generator
+    try:
+        with real_tensors(), torch.no_grad(), torch.random.fork_rng(devices=fork):
+            args, kwargs = _real_args(node, lambda d: d, layouts)
+            out = node.target(*args, **kwargs)
+    except Exception:  # an op synthetic inputs cannot drive
+        return None
+    values = out if isinstance(out, (tuple, list)) else (out,)
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in values]
 
 
 def scratch_measurable(device: str | torch.device) -> bool:
