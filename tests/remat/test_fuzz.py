@@ -183,51 +183,50 @@ def test_random_models_train_as_eager_within_the_budget(spec, fraction):
 # sequence, whose real output is laid out otherwise than the traced one, so the linear
 # layer's traced view is a copy at run time, and a convolution after it copies its input
 # (passes/layouts.py)
+def _found(source: str) -> fuzz.ModelSpec:
+    """A found model on the input it failed with."""
+    return fuzz.ModelSpec(
+        source=textwrap.dedent(source),
+        seed=0,
+        x_shape=(4, 2, 8),
+        x_requires_grad=False,
+        families=frozenset({"batchnorm"}),
+    )
+
+
 FOUND = [
-    fuzz.ModelSpec(
-        source=textwrap.dedent(
-            """
-            class FuzzModel(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.m1 = nn.BatchNorm1d(8)
-                    self.m2 = nn.Linear(8, 4)
+    _found(
+        """
+        class FuzzModel(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m1 = nn.BatchNorm1d(8)
+                self.m2 = nn.Linear(8, 4)
 
-                def forward(self, v0, ids, idx, gidx):
-                    v1 = v0.transpose(1, 2)
-                    v2 = self.m1(v1)
-                    v3 = v2.transpose(1, 2)
-                    v4 = self.m2(v3)
-                    return v4.square().mean()
-            """
-        ),
-        seed=0,
-        x_shape=(4, 2, 8),
-        x_requires_grad=False,
-        families=frozenset({"batchnorm"}),
+            def forward(self, v0, ids, idx, gidx):
+                v1 = v0.transpose(1, 2)
+                v2 = self.m1(v1)
+                v3 = v2.transpose(1, 2)
+                v4 = self.m2(v3)
+                return v4.square().mean()
+        """
     ),
-    fuzz.ModelSpec(  # the difference carried on by a relu to a convolution, which copies
-        source=textwrap.dedent(
-            """
-            class FuzzModel(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.m1 = nn.BatchNorm1d(8)
-                    self.m2 = nn.Linear(2, 4)
-                    self.m3 = nn.Conv1d(2, 2, 3, padding=1)
-                    self.m4 = nn.Linear(8, 4)
+    _found(  # the difference carried on by a relu to a convolution, which copies
+        """
+        class FuzzModel(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m1 = nn.BatchNorm1d(8)
+                self.m2 = nn.Linear(2, 4)
+                self.m3 = nn.Conv1d(2, 2, 3, padding=1)
+                self.m4 = nn.Linear(8, 4)
 
-                def forward(self, v0, ids, idx, gidx):
-                    v3 = torch.relu(self.m1(v0.transpose(1, 2)))
-                    v4 = self.m2(v3)
-                    v7 = self.m4(self.m3(v3.transpose(1, 2)))
-                    return v7.square().mean() + v4.square().mean()
-            """
-        ),
-        seed=0,
-        x_shape=(4, 2, 8),
-        x_requires_grad=False,
-        families=frozenset({"batchnorm"}),
+            def forward(self, v0, ids, idx, gidx):
+                v3 = torch.relu(self.m1(v0.transpose(1, 2)))
+                v4 = self.m2(v3)
+                v7 = self.m4(self.m3(v3.transpose(1, 2)))
+                return v7.square().mean() + v4.square().mean()
+        """
     ),
 ]
 
