@@ -59,11 +59,13 @@ def _patterns_or_search(problem: Problem, budget: int | None, search, options: d
     "Repeated blocks": the patterns first)."""
     if budget is None:
         return search(problem, budget, **options)
-    if len(problem) >= REPEATED_MIN_NODES:
-        return repeated(problem, budget, **options)
     start = time.perf_counter()
     patterns = repeated(problem, budget, **options)  # CP-SAT itself where no block repeats
-    if patterns.solver != "repeated" or patterns.gap <= options.get("gap_limit", GAP_LIMIT):
+    if (
+        len(problem) >= REPEATED_MIN_NODES
+        or patterns.solver != "repeated"
+        or patterns.gap <= options.get("gap_limit", GAP_LIMIT)
+    ):
         return patterns
     searched = search(problem, budget, **options)
     best = min((searched, patterns), key=lambda plan: plan.cost)
