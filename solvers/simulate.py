@@ -193,9 +193,12 @@ def _run_copies(
             delta[max(last[c], made[c]) + 1] -= nbytes
     during = base + np.cumsum(delta[:-1]) + workspace
     pos = int(np.argmax(during))
+    # a re-run over a storage live at the start that nothing reads after is a second
+    # buffer for its step only, as ``_run`` counts it: bytes, not a live storage
+    second = {c for c in counted if made[c] >= 0 and roots[c] in at_start and last[c] <= made[c]}
     alive = frozenset(
         roots[c] for c in counted
-        if made[c] <= pos and (c in final or max(last[c], made[c]) >= pos)
+        if made[c] <= pos and (c in final or max(last[c], made[c]) >= pos) and c not in second
     )  # fmt: skip
     trace = tuple(zip([phase] * len(order), order, during.tolist(), strict=True))
     return _Run(phase, int(during[pos]), order[pos], alive, trace)

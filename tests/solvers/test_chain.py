@@ -92,6 +92,7 @@ def test_sqrt_actions_tape_segments_from_stored_boundaries():
 @settings(max_examples=120, deadline=None)
 @given(st.integers(4, 70), st.integers(0, 10_000), st.floats(0.3, 1.0))
 @example(58, 272, 0.90625)  # a re-run multi-output op over an output handed over
+@example(4, 917, 0.9375)  # ... over one freed already: a second buffer, not a live storage
 def test_copies_walk_equals_the_vectorised_walk(n, seed, fraction):
     """Where no node runs twice, accounting by copies equals the vectorised accounting."""
     problem = random_joint(n, seed=seed)
