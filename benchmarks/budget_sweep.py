@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         rows.append(
             dict(
                 run="remat",
-                budget=report.graphs[0].budget,
+                budget=report.graphs[0].limit,
                 predicted=report.predicted_peak,
                 measured=peak,
                 time_s=seconds,

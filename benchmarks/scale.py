@@ -102,7 +102,7 @@ def remat_row(
         save.mkdir(parents=True, exist_ok=True)
         for g in graphs:
             with open(save / f"{tag}-{g.name}.pkl", "wb") as f:
-                pickle.dump((g.extracted.problem, g.budget), f)
+                pickle.dump((g.extracted.problem, g.limit), f)
     proof = {}
     if prove:
         start = time.perf_counter()

@@ -49,11 +49,11 @@ from remat.tools.examples import mlp
 METHODS = ("store-all", "sqrt", "revolve", "auto")
 
 
-def sqrt_checkpoints(problem, budget):
+def sqrt_checkpoints(problem, limit):
     """A solver: checkpoint every round(√n) stages of the forward's chain of n stages."""
     chain = find_chain(problem)
     segment = max(1, round(math.sqrt(chain.length)))
-    return chain_plan(chain, sqrt_actions(chain.length, segment), solver="sqrt", budget=budget)
+    return chain_plan(chain, sqrt_actions(chain.length, segment), solver="sqrt", limit=limit)
 
 
 def eager_step(depth: int, width: int, batch: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

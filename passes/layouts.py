@@ -13,32 +13,38 @@ an allocation the cost model counts.
 
 One pass in graph order follows the real layouts that differ from the fake ones: views
 replayed on the meta device, kernels run once on synthetic inputs laid out as at run
-time (``costs.measured.output_strides``), but only kernels whose fake output is not
-contiguous (the mismatch seen: a fake kernel keeping a layout the real one does not) or
-that read a tensor laid out otherwise than traced; running every kernel would cost
-seconds on deep models (docs/architecture.md, "Modules").
+time (``run_kernel``: the planner passes ``costs.output_strides``), but only kernels
+whose fake output is not contiguous (the mismatch seen: a fake kernel keeping a layout
+the real one does not) or that read a tensor laid out otherwise than traced; running
+every kernel would cost seconds on deep models (docs/architecture.md, "Modules").
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import fx
-
-from remat.costs.measured import output_strides
 
 from ._torch_compat import op_schema
 
 aten = torch.ops.aten
 
+# A kernel's real output strides (None for an output that is no tensor) where its inputs
+# are laid out as their fake values or as the mapping says; None where it cannot be run.
+KernelStrides = Callable[
+    [fx.Node, Mapping[fx.Node, tuple[int, ...]]], "list[tuple[int, ...] | None] | None"
+]
 
-def restore_traced_layouts(joint: fx.GraphModule) -> int:
+
+def restore_traced_layouts(joint: fx.GraphModule, run_kernel: KernelStrides) -> int:
     """Where a tensor's run-time layout differs from its traced, contiguous one, its
     readers read a contiguous ``clone`` of it instead: a ``view`` the real layout cannot
     serve, and every kernel (whose measured memory assumed the traced layout; a
-    convolution copies a non-contiguous input itself). Returns how many copies were
-    made."""
+    convolution copies a non-contiguous input itself). ``run_kernel`` tells a kernel's
+    real layouts (it runs the kernel: the cost model's job, so passed in). Returns how
+    many copies were made."""
     graph = joint.graph
     real: dict[fx.Node, tuple[int, ...]] = {}  # strides where the real layout differs
     outputs: dict[fx.Node, list] = {}  # a multi-output kernel run: its outputs' strides
@@ -63,7 +69,7 @@ def restore_traced_layouts(joint: fx.GraphModule) -> int:
                     _read_copy(graph, node, source, copies)
             if not (any(a in real for a in node.all_input_nodes) or _not_contiguous(fake)):
                 continue
-            produced = output_strides(node, real)
+            produced = run_kernel(node, real)
             if produced is None:
                 continue
             if not isinstance(fake, torch.Tensor):

@@ -5,7 +5,8 @@
 """
 
 from remat import errors, memory, nn
-from remat.api import PlanReport, RematBackend, backend, optimize, partitioner, plan
+from remat.api import backend, optimize, partitioner, plan
+from remat.backend import RematBackend
 from remat.config import configure
 from remat.errors import (
     DynamicShapes,
@@ -16,7 +17,9 @@ from remat.errors import (
     RematError,
     SolverOverBudget,
 )
+from remat.report import PlanReport
 from remat.solvers import Budget, Plan
+from remat.version import __version__ as __version__
 
 __all__ = [
     "Budget",
@@ -39,4 +42,3 @@ __all__ = [
     "partitioner",
     "plan",
 ]
-__version__ = "0.1.0"

@@ -84,7 +84,7 @@ def agree(problem: Problem, plan: Plan | None, limit: int) -> Plan | None:
     saved, order = decided
     return evaluate(
         problem, saved, backward=order, solver=f"{solver} (rank 0's)", status=status,
-        budget=limit, bound=bound,
+        limit=limit, bound=bound,
     )  # fmt: skip
 
 

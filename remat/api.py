@@ -1,21 +1,22 @@
-"""What a user types: ``optimize``, ``plan``, ``backend`` and the "remat" dynamo backend."""
+"""What a user types: ``optimize``, ``plan``, ``backend``, ``partitioner`` and the "remat"
+dynamo backend. Each reads the user's options once (``Budget.parse``, ``remat.config``)
+and wires the parts: the backend (``remat.backend``) and, for a module, a compiled twin
+whose calls the step runner sees (``remat.runtime``)."""
 
 from __future__ import annotations
 
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tabulate import tabulate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from remat.backend import InductorPartitioner, RematBackend
 from remat.cache import CacheLike, open_cache
 from remat.config import option
-from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
 from remat.errors import (
     EagerFallback,
     InvalidOption,
@@ -26,127 +27,17 @@ from remat.errors import (
 from remat.passes._torch_compat import (
     BackendCompilerFailed,
     FailOnRecompileLimitHit,
-    aot_autograd,
-    boxed,
-    compile_caches_off,
-    custom_partitioner_base,
     dynamo_config,
     fsdp_resized_tensors,
     has_fsdp,
-    inductor,
     tree_flatten,
 )
-from remat.planner import GraphPlan, Planner
-from remat.solvers import format_bytes, store_all
+from remat.planner import Planner
+from remat.report import PlanReport
 from remat.solvers.budget import Budget, BudgetLike
 from remat.solvers.solve import Solver
-from remat.steps import StepPlan, StepRunner
 
 ON_FAILURE = ("eager", "raise")  # what optimize does where remat cannot compile a model
-
-
-class RematBackend:
-    """A ``torch.compile`` backend that plans each graph with a ``Planner`` as it is
-    compiled and, with ``compiler="eager"``, each step as one (``remat.steps``).
-
-    ``compiler="eager"`` runs the rewritten fx programs as plain Python (the
-    schedule is exactly the plan's); ``"inductor"`` hands remat's partition to
-    inductor, which fuses kernels inside it (peak then tracks, not equals, the
-    prediction), and keeps each graph's compile-time plan.
-    """
-
-    def __init__(
-        self,
-        budget: BudgetLike,
-        *,
-        solver: str | Solver = "auto",
-        compiler: str = "eager",
-        cost_model: str = "roofline",
-        cache: CacheLike = None,
-    ) -> None:
-        if compiler not in COMPILERS:
-            raise InvalidOption(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-        budget = Budget.parse(budget)
-        self.compiler = compiler
-        self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
-        self.cache = open_cache(cache)  # ``remat.cache``; None when off
-        self.planner = Planner(
-            budget, solver=solver, cost_model=cost_model, compiler=compiler, cache=self.cache
-        )
-        self.steps = StepRunner(budget, solver, self.cache)
-        # under inductor remat sees no runs, only the order dynamo compiles frames in
-        self.planner.joint_follows = compiler == "eager"
-        self.planner.held_now = (
-            self.steps.held_now if compiler == "eager" else self.planner.held_by_earlier_frames
-        )
-
-    @property
-    def graphs(self) -> list[GraphPlan]:
-        return self.planner.graphs
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
-        self.compiles += 1
-        self.planner.next_leaves = _leaves_needing_grad(example_inputs)
-        with self.steps.paused():  # planning mid-step allocates; the user's code did not
-            return self._compile(gm, example_inputs)
-
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
-        if self.compiler == "inductor":
-            # Caches would skip the partitioner on a hit, leaving no plan to report.
-            with compile_caches_off():
-                return inductor(gm, example_inputs, partitioner=InductorPartitioner(self.planner))
-
-        def compile_forward(program: torch.fx.GraphModule, _inputs):
-            name = program.meta.get("remat")
-            if name is None:  # an inference graph (no gradient needed): nothing planned
-                return boxed(program)
-            return self.steps.forward(self._graph(name))
-
-        def compile_backward(program: torch.fx.GraphModule, _inputs):
-            return self.steps.backward(self._graph(program.meta["remat"]))
-
-        return aot_autograd(
-            fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=self.planner
-        )(gm, example_inputs)
-
-    def _graph(self, name: str):
-        """The step runner's view of planned graph ``name``, made at its first use."""
-        if name not in self.steps.graphs:
-            record = next(g for g in self.planner.graphs if g.name == name)
-            self.steps.add(record, *self.planner.partitions.pop(name))
-        return self.steps.graphs[name]
-
-    def report(self) -> PlanReport:
-        return PlanReport(tuple(self.planner.graphs), tuple(self.steps.plans))
-
-
-def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
-    """(identity, bytes) of the inputs autograd accumulates a gradient into (parameters):
-    ``GraphPlan.leaves``."""
-    return frozenset(
-        (id(t), t.numel() * t.element_size())
-        for t in inputs
-        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
-    )
-
-
-class InductorPartitioner(custom_partitioner_base()):
-    """Adapter for ``torch._inductor.config.custom_partitioner_fn``."""
-
-    def __init__(self, planner: Planner) -> None:
-        self.planner = planner
-
-    def __call__(self, gm, joint_inputs, **kwargs):
-        kwargs.pop("compiler", None)
-        return self.planner(gm, joint_inputs, **kwargs)
-
-    def __deepcopy__(self, memo):
-        # inductor snapshots its config by deep copy; the planner and its plans are
-        # shared state, not configuration.
-        return self
-
-    def uuid(self):
-        return f"remat-{self.planner.budget}-{self.planner.solver}-{self.planner.cost_model}"
 
 
 def backend(
@@ -161,11 +52,11 @@ def backend(
     not given come from ``remat.configure`` or ``REMAT_*`` variables (``remat.config``);
     ``cache``: ``remat.cache.open_cache``."""
     return RematBackend(
-        option("budget", budget),
+        Budget.parse(option("budget", budget)),
         solver=option("solver", solver),
         compiler=option("compiler", compiler),
         cost_model=option("cost_model", cost_model),
-        cache=cache,
+        cache=open_cache(cache),
     )
 
 
@@ -178,13 +69,12 @@ def partitioner(
 ) -> InductorPartitioner:
     """A ``CustomPartitionerFn`` for ``torch._inductor.config.custom_partitioner_fn``."""
     planner = Planner(
-        option("budget", budget),
+        Budget.parse(option("budget", budget)),
         solver=option("solver", solver),
         cost_model=option("cost_model", cost_model),
         compiler="inductor",
         cache=open_cache(cache),
     )
-    planner.held_now = planner.held_by_earlier_frames
     return InductorPartitioner(planner)
 
 
@@ -288,13 +178,15 @@ def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Mo
     twin_class = type(cls.__name__, (cls,), {**names, **members})
     optimized = object.__new__(twin_class)
     object.__setattr__(optimized, "__dict__", model.__dict__)
-    if has_fsdp(model):  # its hooks all-gather before the first graph, by resizing storages
-        rb.steps.resized = functools.partial(fsdp_resized_tensors, model)
-    # DDP hands what its forward allocates before the first graph (its buffers' broadcast)
-    # to gloo's threads, which free it; a storage remat counts has a Python object whose
-    # release there takes the GIL (2 ranks hung 2 runs in 12 counting it, none in 8 not).
-    # It holds nothing past the call.
-    rb.steps.from_call = not any(isinstance(m, DistributedDataParallel) for m in model.modules())
+    # FSDP2's hooks all-gather before the first graph, by resizing storages. DDP hands what
+    # its forward allocates before the first graph (its buffers' broadcast) to gloo's
+    # threads, which free it; a storage remat counts has a Python object whose release
+    # there takes the GIL (2 ranks hung 2 runs in 12 counting it, none in 8 not). It holds
+    # nothing past the call.
+    rb.steps.serve(
+        resized=functools.partial(fsdp_resized_tensors, model) if has_fsdp(model) else None,
+        from_call=not any(isinstance(m, DistributedDataParallel) for m in model.modules()),
+    )
     return optimized
 
 
@@ -383,87 +275,3 @@ def plan(
 
 def _differentiable(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """Plans of every graph of a model (as compiled, for its first step) and of every
-    step planned as one, printable as a table."""
-
-    graphs: tuple[GraphPlan, ...]
-    steps: tuple[StepPlan, ...] = ()
-
-    @property
-    def predicted_peak(self) -> int:
-        """The predicted peak of a step from the second on: its joint plan's, the largest
-        over every kind of step planned (each input shape is one). Before a step ended,
-        the largest graph's own."""
-        if self.steps:
-            return max(s.plan.peak for s in self.steps)
-        return max(g.plan.peak for g in self.graphs)
-
-    @property
-    def first_step_peak(self) -> int:
-        """What the first step (each graph under its compile-time plan, the step recorded)
-        peaks at, predicted with what the code between the graphs was measured to hold."""
-        return max(s.first_peak for s in self.steps)
-
-    @property
-    def store_all_peak(self) -> int:
-        if self.steps:
-            return max(store_all(s.composed.problem).peak for s in self.steps)
-        return max(g.store_all.peak for g in self.graphs)
-
-    def step_rows(self) -> list[dict]:
-        out = []
-        for s in self.steps:
-            p = s.plan
-            out.append(
-                {
-                    "step": ", ".join(s.graphs),
-                    "budget": format_bytes(s.budget),
-                    "predicted peak": format_bytes(p.peak),
-                    "first step": format_bytes(s.first_peak),
-                    "store-all peak": format_bytes(store_all(s.composed.problem).peak),
-                    "solver": f"{p.solver} ({p.status}"
-                    + ("" if p.gap is None else f", gap {p.gap:.1%} over single recomputation")
-                    + (", multiple recomputation" if p.multiple else "")
-                    + ")",
-                }
-            )
-        return out
-
-    def rows(self) -> list[dict]:
-        out = []
-        for g in self.graphs:
-            p, problem = g.plan, g.extracted.problem
-            fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
-            out.append(
-                {
-                    "graph": g.name,
-                    "compile": "-" if g.compile_id is None else str(g.compile_id),
-                    "nodes": len(problem),
-                    "saved": len(p.saved),
-                    "saved bytes": format_bytes(g.saved_bytes),
-                    "recomputed": len(p.recomputed),
-                    "budget": format_bytes(g.budget),
-                    "predicted peak": format_bytes(p.peak),
-                    "store-all peak": format_bytes(g.store_all.peak),
-                    "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
-                    "step (est.)": f"{g.step_seconds:.3g}s",
-                    "solver": f"{p.solver} ({p.status}"
-                    + ("" if p.gap is None else f", gap {p.gap:.1%} over single recomputation")
-                    + (", multiple recomputation" if p.multiple else "")
-                    + ")",
-                    "plan time": f"{g.plan_seconds:.2f}s",
-                }
-            )
-        return out
-
-    def __str__(self) -> str:
-        if not self.graphs:
-            return "PlanReport(no graph compiled yet: call the model once)"
-        graphs = tabulate(self.rows(), headers="keys", tablefmt="simple")
-        if not self.steps:
-            return graphs + "\n(no step has ended yet: the step is planned as one after the first)"
-        return graphs + "\n\n" + tabulate(self.step_rows(), headers="keys", tablefmt="simple")

@@ -148,7 +148,7 @@ class PlanCache:
                 backward=entry["backward"],
                 solver=entry["solver"],
                 status=entry["status"],
-                budget=entry["budget"],
+                limit=entry["limit"],
                 bound=entry["bound"],
             )
         except Exception as e:  # a foreign entry may name nodes this problem lacks
@@ -257,7 +257,7 @@ def _plan_to(plan: Plan) -> dict:
         "backward": list(plan.schedule.backward) if plan.ordered else None,
         "solver": plan.solver,
         "status": plan.status,
-        "budget": plan.budget,
+        "limit": plan.limit,
         "bound": plan.bound,
         "peak": plan.peak,
         "recompute_cost": plan.recompute_cost,

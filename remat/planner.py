@@ -1,15 +1,16 @@
-"""The partitioner remat plugs into AOTAutograd: joint graph -> plan -> fw/bw modules.
+"""Compile time: joint graph -> plan -> forward and backward programs.
 
 One ``Planner`` serves one compiled model. It plans every joint graph dynamo
 hands it (one per graph break, one per new input shape) as it is compiled, and
 keeps the plans, so a user can look at what was decided and a test can check the
-prediction against a measurement.
+prediction against a measurement. ``Planner.plan`` returns a ``CompiledGraph``:
+everything run time (``remat.runtime``) needs of the graph, handed over explicitly.
 
 That plan is the graph's plan for the first step: dynamo compiles lazily, so the
 rest of the step is not known yet. An absolute budget shrinks by what the runs
-before it in the step hold; a fraction applies to the graph's own store-all peak.
-``remat.steps`` then plans the step as one. Graphs with symbolic input sizes are
-refused: a plan is for concrete shapes.
+before it in the step hold (``held``); a fraction applies to the graph's own store-all
+peak. ``remat.runtime`` then plans the step as one. Graphs with symbolic input sizes
+are refused: a plan is for concrete shapes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from remat.solvers import (
     step_seconds,
     store_all,
 )
-from remat.solvers.budget import Budget, BudgetLike
+from remat.solvers.budget import Budget
 from remat.solvers.solve import (
     CPSAT_SOLVERS,
     REPEATED_MIN_NODES,
@@ -69,7 +70,7 @@ class GraphPlan:
     extracted: Extracted
     plan: Plan
     store_all: Plan
-    budget: int
+    limit: int  # bytes the plan had to fit: the budget less what earlier runs held
     plan_seconds: float
     # where ``plan_seconds`` went: "extract" (costs, kernels measured), "solve", "rewrite"
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -89,50 +90,74 @@ class GraphPlan:
         return step_seconds(self.extracted.problem, self.plan)
 
 
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What compile time hands run time for one joint graph: the record of its plan, the
+    joint graph a later plan of it is rewritten from, and the programs of this plan."""
+
+    record: GraphPlan
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+
+
 class Planner:
-    """``partition_fn`` for AOTAutograd (and inductor's custom partitioner): the plan each
-    graph runs under when dynamo compiles it, which is its plan for the first step
-    (``remat.steps`` plans the step as one after that)."""
+    """Plans each joint graph as dynamo compiles it (``plan``): its plan for the first
+    step, and under inductor its only one.
+
+    ``joint_follows``: the step is planned as one after its first run
+    (``remat.runtime``), so a graph that cannot fit what is left of the budget runs its
+    lowest-peak plan for that step instead of being refused; False where remat does not
+    run the programs (inductor), and a graph's plan is its last word.
+    """
 
     def __init__(
         self,
-        budget: BudgetLike,
+        budget: Budget,
         *,
         solver: str | Solver = "auto",
         cost_model: str = "roofline",
         compiler: str = "eager",
         cache: PlanCache | None = None,
+        joint_follows: bool = False,
     ) -> None:
         check_cost_model(cost_model)  # fail at construction, not at the first forward
         solver_for(solver)  # fail at construction, not at the first forward
-        self.budget = Budget.parse(budget)
+        if not isinstance(budget, Budget):
+            raise TypeError(f"Planner takes a parsed Budget, got {type(budget).__name__}")
+        self.budget = budget
         self.solver = solver
         self.cost_model = cost_model
         self.compiler = compiler  # what runs the programs: node times and save costs differ
         self.cache = cache  # problems and plans of earlier processes (``remat.cache``)
+        self.joint_follows = joint_follows
         self.graphs: list[GraphPlan] = []
-        # set by the backend for the next graph: its inputs that are leaves needing a
-        # gradient, as ``GraphPlan.leaves`` (the joint graph alone does not say which)
-        self.next_leaves: frozenset[tuple[int, int]] = frozenset()
-        # bytes the runs of the step in progress hold while the next graph runs
-        self.held_now: Callable[[], int] = lambda: 0
-        # the step is planned as one after its first run (``remat.steps``): False where
-        # remat does not run the programs (inductor), and a graph's plan is its last word
-        self.joint_follows = False
-        # name -> (joint graph, num_fwd_outputs, forward, backward): the programs returned,
-        # and what a later plan of the graph is rewritten from
-        self.partitions: dict[str, tuple] = {}
 
-    def __call__(
-        self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_ignored
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def plan(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        *,
+        leaves: frozenset[tuple[int, int]] = frozenset(),
+        held: int = 0,
+    ) -> CompiledGraph:
+        """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
+        rewrite it into programs.
+
+        ``leaves``: (identity, bytes) of its inputs autograd accumulates a gradient into
+        (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes
+        the runs before it in the step hold while it runs, which an absolute budget
+        leaves it less of.
+        """
         start = time.perf_counter()
         name = f"graph{len(self.graphs)}"
         _refuse_symbolic_shapes(joint, name)
         compile_id = CompileContext.current_compile_id()
         dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
         replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
-        copied = restore_traced_layouts(joint)  # read as traced: copies where a layout differs
+        # read as traced: copies where a layout differs
+        copied = restore_traced_layouts(joint, costs.output_strides)
         log.debug(
             "remat %s: %d identity clones dropped, %d dropouts replayed, %d tensors read "
             "as traced through a copy",
@@ -145,8 +170,7 @@ class Planner:
         extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
-        held = self.held_now()
-        limit = self._graph_budget(baseline.peak, held)
+        limit = self._graph_limit(baseline.peak, held)
         candidates = functools.partial(self._candidates, joint, num_fwd_outputs, extracted)
         plan = self._first_plan(problem, limit, name, held, candidates)
         solved_at = time.perf_counter()
@@ -157,8 +181,6 @@ class Planner:
             "solve": solved_at - extracted_at,
             "rewrite": done - solved_at,
         }
-        fw.meta["remat"] = bw.meta["remat"] = name  # for ``steps.StepRunner``
-        leaves, self.next_leaves = self.next_leaves, frozenset()
         record = GraphPlan(
             name,
             extracted,
@@ -171,8 +193,6 @@ class Planner:
             leaves=leaves,
         )
         self.graphs.append(record)
-        if self.joint_follows:  # handed to ``steps.StepRunner`` at the graph's first run
-            self.partitions[name] = (joint, num_fwd_outputs, fw, bw)
         log.info(
             "remat %s: %s (store-all %s, budget %s, planned in %.2fs)",
             name,
@@ -181,7 +201,7 @@ class Planner:
             format_bytes(limit),
             record.plan_seconds,
         )
-        return fw, bw
+        return CompiledGraph(record, joint, num_fwd_outputs, fw, bw)
 
     def held_by_earlier_frames(self) -> int:
         """What earlier graphs of the step hold, where remat sees no runs (inductor compiles
@@ -280,7 +300,7 @@ class Planner:
         )
         return extracted
 
-    def _graph_budget(self, store_all_peak: int, held: int) -> int:
+    def _graph_limit(self, store_all_peak: int, held: int) -> int:
         """This graph's share of the budget in its first step: a fraction applies to its
         own store-all peak, bytes are what the ``held`` bytes of earlier runs leave."""
         if self.budget.fraction is not None:

@@ -7,12 +7,13 @@ and reusable outside PyTorch.
 from .budget import Budget, BudgetLike
 from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
 from .heuristics import greedy, recompute_all, store_all
-from .plan import Plan, evaluate, format_bytes, held_bytes, saved_bytes, step_seconds
+from .plan import Plan, evaluate, held_bytes, saved_bytes, step_seconds
 from .problem import Node, Problem
 from .proof import prove
 from .schedule import InvalidPlan, Schedule, schedule
 from .simulate import Timeline, simulate
 from .solve import SOLVERS, min_peak_plan, solve, solver_for
+from .units import format_bytes
 
 __all__ = [
     "SOLVERS",

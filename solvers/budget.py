@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .errors import InvalidOption
-from .plan import format_bytes
+from .units import format_bytes
 
 _UNITS = {
     "": 1,

@@ -251,7 +251,7 @@ def binomial_forward_steps(n: int, slots: int) -> int:
 # ----------------------------------------------------------------------------- plans
 
 
-def chain_plan(chain: Chain, actions: list[Action], *, solver: str, budget: int | None) -> Plan:
+def chain_plan(chain: Chain, actions: list[Action], *, solver: str, limit: int | None) -> Plan:
     """The plan ``actions`` stand for: the forward runs up to the first backward stage (a
     plain forward pass); the rest is the backward's order, and what it reads before it
     computes it is what the forward hands over."""
@@ -272,7 +272,7 @@ def chain_plan(chain: Chain, actions: list[Action], *, solver: str, budget: int 
         order = _without_dead(problem, order)
         saved = read_before_made(problem, order)
         if not any(i in saved for i in order):
-            return evaluate(problem, saved, backward=tuple(order), solver=solver, budget=budget)
+            return evaluate(problem, saved, backward=tuple(order), solver=solver, limit=limit)
         order = [i for i in order if i not in saved]
 
 
@@ -326,23 +326,23 @@ def _stage_nodes(chain: Chain, first: int, last: int, targets, kept: frozenset[i
 # ----------------------------------------------------------------------------- solvers
 
 
-def sqrt(problem: Problem, budget: int | None = None) -> Plan:
+def sqrt(problem: Problem, limit: int | None = None) -> Plan:
     """Checkpoint every k stages (k near √n, and the sizes around it): the cheapest such
-    plan under ``budget``."""
+    plan under ``limit``."""
     start = time.perf_counter()
     chain = _chain_or_refuse(problem, "sqrt")
     n = chain.length
     root = max(1, round(math.sqrt(n)))
     sizes = sorted({max(1, min(n, s)) for s in (root, root - 1, root + 1, root // 2, 2 * root,
                                                   1, n)})  # fmt: skip
-    plans = [chain_plan(chain, sqrt_actions(n, s), solver="sqrt", budget=budget) for s in sizes]
-    return _pick(problem, plans, budget, start)
+    plans = [chain_plan(chain, sqrt_actions(n, s), solver="sqrt", limit=limit) for s in sizes]
+    return _pick(problem, plans, limit, start)
 
 
-def revolve(problem: Problem, budget: int | None = None, *, slots: int | None = None) -> Plan:
+def revolve(problem: Problem, limit: int | None = None, *, slots: int | None = None) -> Plan:
     """The binomial (REVOLVE) schedule over the graph's stages: with ``slots``, for that
     many checkpoints; otherwise the most slots (the least recomputation) under
-    ``budget``, found by bisection. Peaks grow with slots only roughly (a slot's boundary
+    ``limit``, found by bisection. Peaks grow with slots only roughly (a slot's boundary
     may replace a larger tape), so the bisection can miss a cheaper plan that fits; it
     never returns one that does not."""
     start = time.perf_counter()
@@ -351,24 +351,24 @@ def revolve(problem: Problem, budget: int | None = None, *, slots: int | None = 
     table = Revolve(chain.costs, most)
 
     def plan_for(s: int) -> Plan:
-        return chain_plan(chain, table.actions(s), solver="revolve", budget=budget)
+        return chain_plan(chain, table.actions(s), solver="revolve", limit=limit)
 
     if slots is not None:
-        return _pick(problem, [plan_for(slots)], budget, start)
-    if budget is None:
-        return _pick(problem, [plan_for(most)], budget, start)
+        return _pick(problem, [plan_for(slots)], limit, start)
+    if limit is None:
+        return _pick(problem, [plan_for(most)], limit, start)
     low = plan_for(1)
-    if low.peak > budget:
-        return _pick(problem, [low, plan_for(2)] if most > 1 else [low], budget, start)
+    if low.peak > limit:
+        return _pick(problem, [low, plan_for(2)] if most > 1 else [low], limit, start)
     lo, hi, best = 1, most, low
     while lo < hi:  # the most slots whose plan fits
         mid = (lo + hi + 1) // 2
         plan = plan_for(mid)
-        if plan.peak <= budget:
+        if plan.peak <= limit:
             lo, best = mid, plan
         else:
             hi = mid - 1
-    return _pick(problem, [best], budget, start)
+    return _pick(problem, [best], limit, start)
 
 
 def lowest_chain_peak(problem: Problem) -> Plan | None:
@@ -380,7 +380,7 @@ def lowest_chain_peak(problem: Problem) -> Plan | None:
         return None
     table = Revolve(chain.costs, 2)
     slots = range(1, 3) if chain.length <= LOWEST_ONE_SLOT else range(2, 3)
-    plans = [chain_plan(chain, table.actions(s), solver="revolve", budget=None)
+    plans = [chain_plan(chain, table.actions(s), solver="revolve", limit=None)
              for s in slots if s <= table.max_slots]  # fmt: skip
     return min(plans, key=lambda p: (p.peak, p.cost))
 
@@ -396,14 +396,14 @@ def _chain_or_refuse(problem: Problem, solver: str) -> Chain:
     return chain
 
 
-def _pick(problem: Problem, plans: list[Plan], budget: int | None, start: float) -> Plan:
-    """The cheapest of ``plans`` within ``budget``; ``InfeasibleBudget`` naming the lowest
+def _pick(problem: Problem, plans: list[Plan], limit: int | None, start: float) -> Plan:
+    """The cheapest of ``plans`` within ``limit``; ``InfeasibleBudget`` naming the lowest
     peak among them when none fits."""
     from .heuristics import store_all
 
-    fitting = [p for p in plans if budget is None or p.peak <= budget]
+    fitting = [p for p in plans if limit is None or p.peak <= limit]
     if not fitting:
         low = min(p.peak for p in plans)
-        raise InfeasibleBudget(budget, low, store_all(problem).peak, problem.name)
+        raise InfeasibleBudget(limit, low, store_all(problem).peak, problem.name)
     best = min(fitting, key=lambda p: (p.cost, p.peak))
     return replace(best, solve_seconds=time.perf_counter() - start)

@@ -53,9 +53,10 @@ from ortools.sat.python import cp_model
 from .errors import InfeasibleBudget
 from .heuristics import descend, fill, greedy, nearest_fit
 from .linear_bound import solve_lp
-from .plan import Plan, evaluate, format_bytes, with_bound
+from .plan import Plan, evaluate, with_bound
 from .problem import Problem
 from .relaxation import Relaxation
+from .units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def default_time_limit(problem: Problem) -> float:
 
 def cpsat(
     problem: Problem,
-    budget: int | None = None,
+    limit: int | None = None,
     *,
     time_limit: float | None = None,
     gap_limit: float = GAP_LIMIT,
@@ -110,7 +111,7 @@ def cpsat(
     log: bool = False,
     probes: int = PROBES,
 ) -> Plan:
-    """Minimum recompute cost under ``budget`` bytes, with a proven lower bound.
+    """Minimum recompute cost under ``limit`` bytes, with a proven lower bound.
 
     ``time_limit`` is in CP-SAT deterministic seconds over all rounds (see the
     module docstring); by default ``default_time_limit(problem)``, and up to
@@ -123,7 +124,7 @@ def cpsat(
     deterministic; they overrun a limit by up to a batch); the relaxation runs on one.
     Without a budget, the lowest peak the greedy reaches is the budget. Raises
     ``InfeasibleBudget`` when no plan fits; its ``minimum`` is the lowest budget this
-    solver found a plan under in ``probes`` bisection steps between ``budget`` and the
+    solver found a plan under in ``probes`` bisection steps between ``limit`` and the
     greedy's minimum (a retry at it succeeds: the solver is deterministic).
     """
     extra = 0.0
@@ -138,12 +139,12 @@ def cpsat(
     start = time.perf_counter()
     refusal = None
     try:
-        first = greedy(problem, budget)
-        budget = first.peak if budget is None else budget
-        first = fill(problem, first, budget)
+        first = greedy(problem, limit)
+        limit = first.peak if limit is None else limit
+        first = fill(problem, first, limit)
     except InfeasibleBudget as e:
         first, refusal = None, e  # CP-SAT may still find a plan the greedy cannot
-    search = _Search(problem, budget, first, workers, seed, log, gap_limit)
+    search = _Search(problem, limit, first, workers, seed, log, gap_limit)
     # 1. The relaxation, made exact where its answers overflow: each optimum bounds every
     #    plan's cost, and each answer, repaired, is a candidate.
     #    With a plan in hand it may take the whole limit: the exact model then runs only
@@ -154,7 +155,7 @@ def cpsat(
     #    Its answer rounded, repaired and polished is a candidate.
     #    Where that answer overflows in the backward, its steps are made exact before the
     #    first round (as a round's answer's are), which then needs no cap.
-    relax = Relaxation(problem, budget, exact=False)
+    relax = Relaxation(problem, limit, exact=False)
     lp = solve_lp(relax.model, WALL_FACTOR * time_limit)
     seeded = False
     if lp is not None:
@@ -183,11 +184,11 @@ def cpsat(
     best = search.best
     if best is not None and not search.proven:
         if not search.polished:
-            best = fill(problem, best, budget)
+            best = fill(problem, best, limit)
         # a last pass by seconds per byte saves back the tiny tensors the costliest-first
         # order gives up before; only here, where it cannot change the search's hint
         # (see docs/solver-notes.md, "Adopted": a last fill by recompute seconds per byte)
-        best = fill(problem, best, budget, order="per_byte")
+        best = fill(problem, best, limit, order="per_byte")
     if best is None:
         r = refusal
         retry = functools.partial(
@@ -199,26 +200,26 @@ def cpsat(
                 "remat %s: no plan fits %s (%s CP-SAT in %.1fs); %d more solve%s toward the "
                 "greedy's lowest peak %s, to name the lowest budget that fits",
                 problem.name or "graph",
-                format_bytes(budget),
+                format_bytes(limit),
                 "proven by" if search.proven else "none found by",
                 time.perf_counter() - start,
                 probes,
                 "s" if probes > 1 else "",
                 format_bytes(r.minimum),
             )
-        minimum = _lowest_fitting(budget, r.minimum, retry, probes)
-        raise InfeasibleBudget(r.budget, minimum, r.store_all, problem.name, search.proven)
+        minimum = _lowest_fitting(limit, r.minimum, retry, probes)
+        raise InfeasibleBudget(r.limit, minimum, r.store_all, problem.name, search.proven)
     seconds = time.perf_counter() - start
     return with_bound(
-        best, search.bound, solver="cpsat", budget=budget, seconds=seconds, proven=search.proven
+        best, search.bound, solver="cpsat", limit=limit, seconds=seconds, proven=search.proven
     )
 
 
 class _Search:
     """The incumbent (cheapest plan that fits, by the simulator) and the proven bound."""
 
-    def __init__(self, problem, budget, best, workers, seed, log, gap_limit) -> None:
-        self.problem, self.budget, self.best = problem, budget, best
+    def __init__(self, problem, limit, best, workers, seed, log, gap_limit) -> None:
+        self.problem, self.limit, self.best = problem, limit, best
         self.workers, self.seed, self.log, self.gap_limit = workers, seed, log, gap_limit
         self.bound, self.proven = 0.0, False
         self.polished = best is not None  # ``best`` went through ``fill`` already
@@ -231,16 +232,16 @@ class _Search:
         return self.best.cost - self.bound <= self.gap_limit * self.best.cost
 
     def offer(self, plan: Plan, polished: bool = False) -> None:
-        if plan.peak <= self.budget and (self.best is None or _key(plan) < _key(self.best)):
+        if plan.peak <= self.limit and (self.best is None or _key(plan) < _key(self.best)):
             self.best, self.polished = plan, polished
 
     def repair(self, plan: Plan) -> Plan:
         """An overflowing answer pushed under the budget (by its cheapest single flip
         that fits, else ``descend``), then polished back up."""
-        fixed = nearest_fit(self.problem, plan, self.budget)
+        fixed = nearest_fit(self.problem, plan, self.limit)
         if fixed is None:
-            fixed = descend(self.problem, plan, self.budget)
-        return fill(self.problem, fixed, self.budget) if fixed.peak <= self.budget else fixed
+            fixed = descend(self.problem, plan, self.limit)
+        return fill(self.problem, fixed, self.limit) if fixed.peak <= self.limit else fixed
 
     def solve(self, relax: Relaxation, seconds: float, gap_limit: float = 0.0):
         """One CP-SAT solve: (status, its answer simulated or None, deterministic time).
@@ -292,7 +293,7 @@ class _Search:
             cap = seconds * FIRST_ROUND_SHARE if capped else seconds
             status, answer, used = self.solve(relax, min(seconds - spent, cap))
             spent += used
-            if capped and _nothing_to_point_at(status, answer, self.budget):
+            if capped and _nothing_to_point_at(status, answer, self.limit):
                 capped = False  # the cut-short round's answer fits or is missing: go on
                 continue
             capped = False
@@ -300,7 +301,7 @@ class _Search:
                 # out of time, or not even the relaxation fits: then no plan does
                 self.proven = status == cp_model.INFEASIBLE and self.best is None
                 return spent
-            if answer.peak <= self.budget:
+            if answer.peak <= self.limit:
                 if status == cp_model.OPTIMAL:
                     self.proven = True  # nothing is cheaper, and it fits
                     self.bound = max(self.bound, answer.cost)
@@ -319,7 +320,7 @@ class _Search:
         relax = None
         while seconds > 0.01 and not self.proven and not self.close_enough:
             if relax is None:
-                relax = Relaxation(self.problem, self.budget)
+                relax = Relaxation(self.problem, self.limit)
             status, answer, used = self.solve(relax, seconds, self.gap_limit)
             seconds -= used
             if status == cp_model.INFEASIBLE:
@@ -330,7 +331,7 @@ class _Search:
                 return
             if answer is None:
                 return  # out of time before any solution
-            if answer.peak <= self.budget:
+            if answer.peak <= self.limit:
                 if status == cp_model.OPTIMAL:
                     self.proven = True
                     self.bound = max(self.bound, answer.cost)
@@ -339,12 +340,12 @@ class _Search:
             self.offer(self.repair(answer), polished=True)
 
 
-def _nothing_to_point_at(status, answer: Plan | None, budget: int) -> bool:
+def _nothing_to_point_at(status, answer: Plan | None, limit: int) -> bool:
     """A relaxation round ended without proof and without an overflowing answer (no
     answer, or one that fits): no exact point to add, so cutting it short gained nothing."""
     if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
         return False
-    return answer is None or answer.peak <= budget
+    return answer is None or answer.peak <= limit
 
 
 def _lowest_fitting(refused: int, fitting: int, solve, probes: int) -> int:
@@ -396,7 +397,7 @@ def _overflowing_steps(relax: Relaxation, plan: Plan) -> list[tuple]:
             k = relax.pos[node] + 1  # recomputes from here run in the gap before the next
         else:
             step = (k, node)
-        if live > relax.budget:
+        if live > relax.limit:
             over.append((len(step) == 1, live, step))
     return [step for *_, step in sorted(over, reverse=True)]
 

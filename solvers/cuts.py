@@ -61,11 +61,11 @@ class Cuts:
             total += pins.pop(lit.Index(), [0])[0]
         # the fewest literals that still overflow: the cut then forbids the most plans
         for size, lit in sorted(pins.values(), key=lambda pin: (-pin[0], pin[1].Index())):
-            if total > self.budget:
+            if total > self.limit:
                 break
             total += size
             lits.append(lit)
-        return lits if total > self.budget else None
+        return lits if total > self.limit else None
 
     def _live_in_every_forward(self, R: int, t: int) -> bool:
         """Storage R is live while node t runs in every forward: the forward without

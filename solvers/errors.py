@@ -8,6 +8,8 @@ expect (``ValueError`` for a bad value), so ``except ValueError`` keeps working.
 
 from __future__ import annotations
 
+from .units import format_bytes
+
 
 class RematError(Exception):
     """A request remat refuses, with a message that says what to do instead."""
@@ -28,16 +30,14 @@ class InfeasibleBudget(RematError, ValueError):
 
     def __init__(
         self,
-        budget: int,
+        limit: int,
         minimum: int,
         store_all: int,
         graph: str = "",
         proven: bool = False,
         note: str = "",
     ) -> None:
-        from .plan import format_bytes  # plan -> schedule -> errors: import when raised
-
-        self.budget, self.minimum, self.store_all = budget, minimum, store_all
+        self.limit, self.minimum, self.store_all = limit, minimum, store_all
         self.proven = proven
         where = f" for {graph}" if graph.startswith("step") else f" for graph {graph}"
         proof = (
@@ -45,7 +45,7 @@ class InfeasibleBudget(RematError, ValueError):
             "CP-SAT)." if proven else ""
         )
         super().__init__(
-            f"budget {format_bytes(budget)} is below the smallest peak remat can reach"
+            f"budget {format_bytes(limit)} is below the smallest peak remat can reach"
             f"{where if graph else ''}: {format_bytes(minimum)} ({minimum} bytes, "
             f"{minimum / max(store_all, 1):.1%} of the store-all peak {format_bytes(store_all)})."
             f"{proof} Raise the budget to at least {minimum} bytes." + (f" {note}" if note else "")

@@ -74,7 +74,7 @@ class Exact:
                     both = m.NewBoolVar(f"rewrite{p}")
                     m.Add(both >= self.r[x] + self.kept[p] - 1)
                     add(self.time[x], 1, self.time[x] + 1, both, nodes[p].bytes, f"rw{p}")
-        m.AddCumulative(intervals, demands, self.budget)
+        m.AddCumulative(intervals, demands, self.limit)
 
     def _placement(self) -> list[int]:
         """``gap[v]``: the core position a recompute of v runs before, as ``schedule``
@@ -159,7 +159,7 @@ class Exact:
                     terms.append(nodes[R].bytes * live)
         if x is None:
             if terms:  # (without, the chains already hold the backward's own bytes under it)
-                m.Add(sum(terms) <= self.budget - self.base_live[k])
+                m.Add(sum(terms) <= self.limit - self.base_live[k])
             return True
         # x's own buffers and scratch, on what the backward alone holds in the gap
         made = nodes[x].workspace + sum(size for _, size in self.problem.allocations[x])
@@ -167,7 +167,7 @@ class Exact:
         here = [self.r[x], self._early_by(x, k)]
         if k > 0:
             here.append(self._early_by(x, k - 1).Not())
-        m.Add(sum(terms) <= self.budget - self.across[k] - made).OnlyEnforceIf(here)
+        m.Add(sum(terms) <= self.limit - self.across[k] - made).OnlyEnforceIf(here)
         return True
 
     def _live_at(self, R: int, k: int, rank: int | None = None):

@@ -19,9 +19,9 @@ EXCHANGE_TRIES = 4  # simulations of one exchange before it is given up
 EXCHANGE_KINDS = 64
 
 
-def exchange(problem: Problem, plan: Plan, budget: int) -> Plan:
+def exchange(problem: Problem, plan: Plan, limit: int) -> Plan:
     """Save one more costly value in exchange for dropping cheaper ones, while that
-    lowers the cost and the plan fits ``budget``.
+    lowers the cost and the plan fits ``limit``.
 
     The integer side of a knapsack: a plan at the budget with room left for part of a
     large, costly save (an attention projection) is cheaper saving it and recomputing
@@ -35,14 +35,14 @@ def exchange(problem: Problem, plan: Plan, budget: int) -> Plan:
     """
     movable = savable(problem)
     for _ in range(EXCHANGE_ROUNDS):
-        better = _exchanged(problem, plan, budget, movable)
+        better = _exchanged(problem, plan, limit, movable)
         if better is None:
             break
         plan = better
     return plan
 
 
-def _exchanged(problem: Problem, plan: Plan, budget: int, movable) -> Plan | None:
+def _exchanged(problem: Problem, plan: Plan, limit: int, movable) -> Plan | None:
     """``exchange``'s round: a cheaper plan that fits, or None."""
     nodes, storage = problem.nodes, problem.storage
 
@@ -56,9 +56,9 @@ def _exchanged(problem: Problem, plan: Plan, budget: int, movable) -> Plan | Non
             break
         taken = trial(plan.saved | {i})
         if taken.cost < plan.cost:
-            if taken.peak <= budget:
+            if taken.peak <= limit:
                 return taken
-            adds.append((taken.cost - plan.cost, taken.peak - budget, i))
+            adds.append((taken.cost - plan.cost, taken.peak - limit, i))
     # drops, one simulation per kind for the cost each adds; the bytes each frees are
     # its storage's where that is live at the peak (values elsewhere free nothing there)
     live = plan.timeline.live_at_peak
@@ -74,13 +74,13 @@ def _exchanged(problem: Problem, plan: Plan, budget: int, movable) -> Plan | Non
     drops.sort(key=lambda d: (d[0], d[3][0]))
     queue = [(added, size, j) for _, added, size, members in drops for j in members]
     for gain, over, i in sorted(adds):
-        taken = _made_room(plan, trial, queue, i, gain, over, budget)
+        taken = _made_room(plan, trial, queue, i, gain, over, limit)
         if taken is not None:
             return taken
     return None
 
 
-def _made_room(plan: Plan, trial, queue: list, i: int, gain: float, over: int, budget: int):
+def _made_room(plan: Plan, trial, queue: list, i: int, gain: float, over: int, limit: int):
     """``plan`` saving ``i`` (``gain``: its cost change, ``over``: its overflow) with
     drops from ``queue`` (cost, bytes freed, value; best first) until it fits, at most
     ``EXCHANGE_TRIES`` simulations, the drops it did not need saved back; None where no
@@ -97,15 +97,15 @@ def _made_room(plan: Plan, trial, queue: list, i: int, gain: float, over: int, b
         taken, tries = trial(saved), tries + 1
         if taken.cost >= plan.cost:
             return None
-        if taken.peak <= budget:
+        if taken.peak <= limit:
             for j in reversed(dropped):  # the estimates overshoot: give back what fits
                 back = trial(taken.saved | {j})
-                if back.peak <= budget and back.cost < taken.cost:
+                if back.peak <= limit and back.cost < taken.cost:
                     taken = back
             return taken
         if tries == EXCHANGE_TRIES:
             return None
-        need = taken.peak - budget  # the simulator's word over the estimates'
+        need = taken.peak - limit  # the simulator's word over the estimates'
     return None
 
 

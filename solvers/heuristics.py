@@ -7,8 +7,9 @@ from dataclasses import replace
 
 from .errors import InfeasibleBudget, SolverOverBudget
 from .graph import reachable
-from .plan import Plan, evaluate, format_bytes
+from .plan import Plan, evaluate
 from .problem import Problem, without_free_views
+from .units import format_bytes
 
 # ``fill``'s simulations, and its failed trials in a row before it gives up: bounded, so
 # deterministic and seconds at most (see docs/solver-notes.md, "Adopted": fill's caps)
@@ -31,7 +32,7 @@ def savable(problem: Problem) -> frozenset[int]:
     return frozenset(i for i in problem.forward_nodes if not problem.outputs_of[i])
 
 
-def store_all(problem: Problem, budget: int | None = None) -> Plan:
+def store_all(problem: Problem, limit: int | None = None) -> Plan:
     """What eager autograd does: save every value of the forward pass the backward reads.
 
     Forward-phase values that only the backward uses (they depend on no
@@ -39,11 +40,11 @@ def store_all(problem: Problem, budget: int | None = None) -> Plan:
     backward from the saved ones, once, at no extra cost.
     """
     movable = savable(problem)
-    plan = evaluate(problem, movable & problem.forward_closure, solver="store-all", budget=budget)
+    plan = evaluate(problem, movable & problem.forward_closure, solver="store-all", limit=limit)
     # Values a forced save (a random op outside the forward closure) makes the
     # forward run are saved too, rather than run a second time.
     while extra := (_run_by_forward(problem, plan) & movable) - plan.saved:
-        plan = evaluate(problem, plan.saved | extra, solver="store-all", budget=budget)
+        plan = evaluate(problem, plan.saved | extra, solver="store-all", limit=limit)
     return _within(plan, problem)
 
 
@@ -53,14 +54,14 @@ def _run_by_forward(problem: Problem, plan: Plan) -> frozenset[int]:
     return frozenset(i for i in plan.recomputed if i in ran or problem.nodes[i].output_of in ran)
 
 
-def recompute_all(problem: Problem, budget: int | None = None) -> Plan:
+def recompute_all(problem: Problem, limit: int | None = None) -> Plan:
     """Save only what may not be recomputed. Often *not* the smallest peak: the
     backward then rebuilds long chains at once."""
-    return _within(evaluate(problem, (), solver="recompute-all", budget=budget), problem)
+    return _within(evaluate(problem, (), solver="recompute-all", limit=limit), problem)
 
 
-def greedy(problem: Problem, budget: int | None = None) -> Plan:
-    """The cheapest of several fast plans that fits ``budget``.
+def greedy(problem: Problem, limit: int | None = None) -> Plan:
+    """The cheapest of several fast plans that fits ``limit``.
 
     Candidates: the trajectories of ``_drop_saves`` (stop saving, one at a time,
     the storage live at the peak that frees the most bytes per unit of recompute
@@ -71,7 +72,7 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
     feasible minimum remat reports.
     """
     start = time.perf_counter()
-    target = -1 if budget is None else budget
+    target = -1 if limit is None else limit
     # The same candidates for every budget, so a looser budget never costs more
     # and a tighter one never peaks higher.
     plain, sweep = _drop_saves(problem), checkpoint_sweep(problem)
@@ -88,10 +89,10 @@ def greedy(problem: Problem, budget: int | None = None) -> Plan:
         feasible = [p for p in candidates if p.peak <= target]
     if not feasible:
         best = min(candidates, key=lambda p: (p.peak, p.cost))
-        if budget is None:
-            return _finish(best, budget, start)
-        raise InfeasibleBudget(budget, best.peak, store_all(problem).peak, problem.name)
-    return _finish(min(feasible, key=lambda p: (p.cost, p.peak)), budget, start)
+        if limit is None:
+            return _finish(best, limit, start)
+        raise InfeasibleBudget(limit, best.peak, store_all(problem).peak, problem.name)
+    return _finish(min(feasible, key=lambda p: (p.cost, p.peak)), limit, start)
 
 
 def _drop_saves(problem: Problem, grow: bool = False) -> list[Plan]:
@@ -256,12 +257,12 @@ def _area(plan: Plan) -> int:
 def fill(
     problem: Problem,
     plan: Plan,
-    budget: int,
+    limit: int,
     max_trials: int | None = None,
     order: str = "cost",
 ) -> Plan:
     """Save recomputed values back, costliest first (``order="cost"``) or most recompute
-    seconds per byte first (``"per_byte"``), while the plan still fits ``budget``.
+    seconds per byte first (``"per_byte"``), while the plan still fits ``limit``.
 
     The polish for plans that were pushed under the budget by coarse moves (a repair,
     a relaxation's answer): each accepted save lowers the recompute cost. Passes over
@@ -288,7 +289,7 @@ def fill(
                 continue
             trials -= 1
             trial = evaluate(problem, plan.saved | {i}, solver=plan.solver, status=plan.status)
-            if trial.peak <= budget and trial.cost < plan.cost:
+            if trial.peak <= limit and trial.cost < plan.cost:
                 plan, improved, misses = trial, True, 0
             else:
                 misses += 1
@@ -402,14 +403,14 @@ def _new_recomputes(problem: Problem, plan: Plan, victims: list[int]) -> set[int
 
 def _within(plan: Plan, problem: Problem) -> Plan:
     """Fixed strategies do not adapt to a budget; say so instead of exceeding it."""
-    if plan.budget is not None and plan.peak > plan.budget:
+    if plan.limit is not None and plan.peak > plan.limit:
         raise SolverOverBudget(
             f"solver {plan.solver!r} peaks at {format_bytes(plan.peak)}, over the budget "
-            f"{format_bytes(plan.budget)}{' for ' + problem.name if problem.name else ''}; "
+            f"{format_bytes(plan.limit)}{' for ' + problem.name if problem.name else ''}; "
             "it does not adapt to a budget: use solver='auto' or 'greedy'"
         )
     return plan
 
 
-def _finish(plan: Plan, budget: int | None, start: float) -> Plan:
-    return replace(plan, budget=budget, solve_seconds=time.perf_counter() - start)
+def _finish(plan: Plan, limit: int | None, start: float) -> Plan:
+    return replace(plan, limit=limit, solve_seconds=time.perf_counter() - start)

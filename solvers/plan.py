@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from .problem import Problem
 from .schedule import Schedule, schedule
 from .simulate import Timeline, simulate
+from .units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Plan:
     recompute_cost: float
     solver: str
     status: str
-    budget: int | None
+    limit: int | None
     schedule: Schedule
     timeline: Timeline
     bound: float | None = None
@@ -78,7 +79,7 @@ def evaluate(
     *,
     solver: str,
     status: str = "heuristic",
-    budget: int | None = None,
+    limit: int | None = None,
     bound: float | None = None,
     solve_seconds: float = 0.0,
     backward: Sequence[int] | None = None,
@@ -94,7 +95,7 @@ def evaluate(
         recompute_cost=sched.recompute_cost,
         solver=solver,
         status=status,
-        budget=budget,
+        limit=limit,
         schedule=sched,
         timeline=timeline,
         bound=bound,
@@ -105,7 +106,7 @@ def evaluate(
 
 
 def with_bound(
-    plan: Plan, bound: float, *, solver: str, budget: int, seconds: float, proven: bool = False
+    plan: Plan, bound: float, *, solver: str, limit: int, seconds: float, proven: bool = False
 ) -> Plan:
     """``plan`` as a solver that proved ``bound`` (a lower bound on every plan's cost) returns
     it: the bound capped at the plan's cost; ``optimal`` where ``proven`` or the bound meets
@@ -116,19 +117,10 @@ def with_bound(
         plan,
         solver=solver,
         status="optimal" if closed else "feasible",
-        budget=budget,
+        limit=limit,
         bound=bound,
         solve_seconds=seconds,
     )
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB': binary units, as allocators report."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def held_bytes(problem: Problem, plan: Plan) -> int:

@@ -39,26 +39,26 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
     MIP's optimum overflows the simulator, the steps where it does are made exact and
     the MIP solved again; where its optimum fits, that is a plan too, returned if it is
     cheaper (the MIP's rounds are an exact solver, slow: see docs/solver-notes.md). ``plan``
-    must fit its budget (``Plan.budget``) and recompute each value at most once (the plans
+    must fit its limit (``Plan.limit``) and recompute each value at most once (the plans
     the relaxation describes)."""
     if not seconds > 0:
         raise ValueError(f"seconds must be positive, got {seconds!r}")
-    if plan.budget is None or plan.peak > plan.budget:
+    if plan.limit is None or plan.peak > plan.limit:
         raise ValueError("prove needs a plan that fits its budget (a solver's answer)")
     if plan.multiple:
         raise ValueError(
             "prove bounds plans that recompute each value once; this plan recomputes some "
             "more than once (sqrt, revolve), and may be cheaper than that bound"
         )
-    start, budget = time.perf_counter(), plan.budget
-    relax = Relaxation(problem, budget, exact=False)
+    start, limit = time.perf_counter(), plan.limit
+    relax = Relaxation(problem, limit, exact=False)
     lp = solve_lp(relax.model, seconds)
     before = bound = plan.bound or 0.0
     rounds = 0
     answer = None if lp is None else evaluate(problem, relax.saved_set(lp.value), solver="prove")
     if lp is not None:
         bound = max(bound, lp.bound / relax.scale)
-    while answer is not None and answer.peak > budget and add_points(relax, answer, POINTS):
+    while answer is not None and answer.peak > limit and add_points(relax, answer, POINTS):
         left = seconds - (time.perf_counter() - start)
         mip = solve_mip(relax.model, left) if left > 0 else None
         if mip is None:
@@ -76,7 +76,7 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
         if not mip.closed or not mip.values or plan.cost - bound <= CLOSE * plan.cost:
             break
         answer = evaluate(problem, relax.saved_set(mip.value), solver="prove")
-    if answer is not None and answer.peak <= budget and answer.cost < plan.cost:
+    if answer is not None and answer.peak <= limit and answer.cost < plan.cost:
         plan = answer  # the MIP's optimum fits: a cheaper plan, proven with its bound
     log.info(
         "remat %s: bound %.6g -> %.6g (%d MIP round%s of the pointed relaxation, %.1fs)",
@@ -88,4 +88,4 @@ def prove(problem: Problem, plan: Plan, seconds: float = 60.0) -> Plan:
         time.perf_counter() - start,
     )
     spent = time.perf_counter() - start if plan.solver == "prove" else plan.solve_seconds
-    return with_bound(plan, bound, solver=plan.solver, budget=budget, seconds=spent)
+    return with_bound(plan, bound, solver=plan.solver, limit=limit, seconds=spent)

@@ -77,15 +77,15 @@ def _chain(model: cp_model.CpModel, upper: int, name: str, length: int, deltas: 
 
 
 class Relaxation(Exact, Cuts):
-    """The model for one (problem, budget); cuts are added between solves.
+    """The model for one (problem, limit); cuts are added between solves.
 
     ``exact=False`` leaves out the exact backward (a cumulative over every step):
     the rest is a pure linear relaxation CP-SAT often solves to optimality fast,
     and its optimum is a valid lower bound on every plan's cost.
     """
 
-    def __init__(self, problem: Problem, budget: int, *, exact: bool = True) -> None:
-        self.problem, self.budget, self.exact = problem, budget, exact
+    def __init__(self, problem: Problem, limit: int, *, exact: bool = True) -> None:
+        self.problem, self.limit, self.exact = problem, limit, exact
         nodes, storage = problem.nodes, problem.storage
         core, reads = _backward_core(problem)
         self.core, self.reads = core, frozenset(reads)
@@ -254,7 +254,7 @@ class Relaxation(Exact, Cuts):
         chain, defs = _chain(self.model, self.upper, "F", len(order), deltas)
         self._derive_sums(defs)
         for p, (_, _, live) in enumerate(run.steps):
-            self.model.Add(chain[p] <= self.budget - live)
+            self.model.Add(chain[p] <= self.limit - live)
 
     def _backward_memory(self, n_core: int) -> None:
         """At each backward step the gradients need: the backward's own values, saved
@@ -297,11 +297,11 @@ class Relaxation(Exact, Cuts):
         rec_chain, defs = _chain(m, self.upper, "Q", n_core + 1, deltas)
         self._derive_sums(defs)
         for k in range(n_core):
-            m.Add(kept_chain[k] + rec_chain[k] <= self.budget - self.base_live[k])
+            m.Add(kept_chain[k] + rec_chain[k] <= self.limit - self.base_live[k])
         # at the backward's first step every saved storage is live (each is read later)
         everything = [nodes[R].bytes * var for R, var in self.kept.items() if nodes[R].bytes]
-        if everything or self.budget < self.held_bytes:
-            m.Add(sum(everything) <= self.budget - self.held_bytes)
+        if everything or self.limit < self.held_bytes:
+            m.Add(sum(everything) <= self.limit - self.held_bytes)
 
         # each recompute's own step: its outputs, its inputs, saved storages read later;
         # and, if no consumer pulls it earlier, what the backward holds in its gap
@@ -316,13 +316,13 @@ class Relaxation(Exact, Cuts):
             inputs = sorted({storage[j] for j in node.inputs} - self.held)
             k = int(self.latest[v])
             m.Add(
-                self._step_memory(kept_chain, k, inputs) <= self.budget - self.held_bytes - made
+                self._step_memory(kept_chain, k, inputs) <= self.limit - self.held_bytes - made
             ).OnlyEnforceIf(self.r[v])
             if v in self.first_read and not parts[v]:
                 k = self.first_read[v]
                 pullers = [self.r[u].Not() for u in self.users[v] if nodes[u].recomputable]
                 m.Add(
-                    self._step_memory(kept_chain, k, inputs) <= self.budget - across[k] - made
+                    self._step_memory(kept_chain, k, inputs) <= self.limit - across[k] - made
                 ).OnlyEnforceIf([self.r[v], *pullers])
 
     def _step_memory(self, kept_chain: list, k: int, inputs: list[int]):

@@ -55,26 +55,26 @@ LP_SECONDS = 120.0  # wall-clock guard on the whole graph's LP
 POINTED_FACTOR = 4.0
 
 
-def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
-    """The cheapest pattern plan that fits ``budget`` (see the module docstring), with
+def repeated(problem: Problem, limit: int | None = None, **cpsat_options) -> Plan:
+    """The cheapest pattern plan that fits ``limit`` (see the module docstring), with
     the whole graph's LP bound; ``cpsat`` (given ``cpsat_options``) where the graph
     repeats no block, no pattern fits, or there is no budget."""
     start = time.perf_counter()
-    blocks = find_blocks(problem) if budget is not None else None
+    blocks = find_blocks(problem) if limit is not None else None
     if blocks is None:
-        return cpsat(problem, budget, **cpsat_options)
-    relax = Relaxation(problem, budget, exact=False)
+        return cpsat(problem, limit, **cpsat_options)
+    relax = Relaxation(problem, limit, exact=False)
     lp = solve_lp(relax.model, LP_SECONDS)
     if lp is None:
-        return cpsat(problem, budget, **cpsat_options)
+        return cpsat(problem, limit, **cpsat_options)
     values = {v: lp.value(var) for v, var in relax.s.items()}
-    best = _Patterns(problem, blocks, values, budget).best()
+    best = _Patterns(problem, blocks, values, limit).best()
     if best is None:  # no candidate fits: the whole graph's search
-        return cpsat(problem, budget, **cpsat_options)
+        return cpsat(problem, limit, **cpsat_options)
     bound = lp.bound / relax.scale
     gap_limit = cpsat_options.get("gap_limit", GAP_LIMIT)
     if best.cost - bound > gap_limit * best.cost:
-        best = exchange(problem, best, budget)
+        best = exchange(problem, best, limit)
     if best.cost - bound > gap_limit * best.cost:
         log.info(
             "remat %s: the pattern plan is %.1f%% over the LP's bound; the LP again, with an "
@@ -91,7 +91,7 @@ def repeated(problem: Problem, budget: int | None = None, **cpsat_options) -> Pl
         len(blocks.members[0]),
     )
     seconds = time.perf_counter() - start
-    return with_bound(best, bound, solver="repeated", budget=budget, seconds=seconds)
+    return with_bound(best, bound, solver="repeated", limit=limit, seconds=seconds)
 
 
 def _pointed_bound(problem: Problem, relax: Relaxation, lp, seconds: float) -> float:
@@ -111,8 +111,8 @@ class _Patterns:
     """Candidate plans read off the LP's answer (the module docstring's families), each
     simulated on the full graph; ``best`` the cheapest that fits."""
 
-    def __init__(self, problem: Problem, blocks: Blocks, values: dict, budget: int) -> None:
-        self.problem, self.blocks, self.budget = problem, blocks, budget
+    def __init__(self, problem: Problem, blocks: Blocks, values: dict, limit: int) -> None:
+        self.problem, self.blocks, self.limit = problem, blocks, limit
         block_of, position_of = blocks.block_of, blocks.position_of
         last = blocks.count - 1
         self.middle = range(1, last)
@@ -133,7 +133,7 @@ class _Patterns:
     def saving(self, saved) -> Plan:
         """The plan saving ``saved``, kept among the candidates if it fits."""
         plan = evaluate(self.problem, saved, solver="repeated")
-        if plan.peak <= self.budget:
+        if plan.peak <= self.limit:
             self.fits.append(plan)
         return plan
 
@@ -189,12 +189,12 @@ class _Patterns:
         def dropping(k: int) -> Plan:
             return self.saving(v for _, _, v in units[k:])
 
-        if dropping(0).peak <= self.budget:
+        if dropping(0).peak <= self.limit:
             return
         low, high = 0, len(units)  # dropping ``low`` overflows, dropping all may fit
         while high - low > 1:
             mid = (low + high) // 2
-            if dropping(mid).peak <= self.budget:
+            if dropping(mid).peak <= self.limit:
                 high = mid
             else:
                 low = mid
@@ -204,7 +204,7 @@ class _Patterns:
         Scanned from the longest down: saving too little peaks high too (the backward
         rebuilds long chains at once), so the peak is not monotone in the length."""
         for length in range(len(self.order), -1, -1):
-            if self.uniform(frozenset(self.order[:length])).peak <= self.budget:
+            if self.uniform(frozenset(self.order[:length])).peak <= self.limit:
                 return length
         return None
 
@@ -215,7 +215,7 @@ class _Patterns:
         low, high = 0, n  # ``high`` blocks on short fits (the uniform short plan)
         while high - low > 1:
             mid = (low + high) // 2
-            if self.plan([short] * mid + [long] * (n - mid)).peak <= self.budget:
+            if self.plan([short] * mid + [long] * (n - mid)).peak <= self.limit:
                 high = mid
             else:
                 low = mid

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 
-from .budget import Budget, BudgetLike
 from .chain import lowest_chain_peak, revolve, sqrt
 from .cpsat import GAP_LIMIT, cpsat
 from .errors import InfeasibleBudget, InvalidOption, RematError, SolverOverBudget
@@ -25,7 +24,7 @@ Solver = Callable[[Problem, int], Plan]
 log = logging.getLogger("remat")
 
 
-def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
+def auto(problem: Problem, limit: int | None = None, **cpsat_options) -> Plan:
     """``repeated``'s pattern plan where its bound proves it within the gap limit (one LP
     and a few dozen simulations), else CP-SAT (which starts from the greedy plan and
     returns it when it finds nothing better in its time limit: never worse than the
@@ -37,14 +36,14 @@ def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
     from . import cpsat as module  # the module's function, so tests can watch it
 
     try:
-        return _patterns_or_search(problem, budget, module.cpsat, cpsat_options)
+        return _patterns_or_search(problem, limit, module.cpsat, cpsat_options)
     except InfeasibleBudget as refusal:
         low = lowest_chain_peak(problem)
         if low is None or low.peak >= refusal.minimum:
             raise
-        if low.peak > budget:
-            raise InfeasibleBudget(budget, low.peak, refusal.store_all, problem.name) from None
-        return revolve(problem, budget)
+        if low.peak > limit:
+            raise InfeasibleBudget(limit, low.peak, refusal.store_all, problem.name) from None
+        return revolve(problem, limit)
 
 
 # From this size ``auto`` plans repeated blocks by pattern alone: CP-SAT on the whole
@@ -53,27 +52,27 @@ def auto(problem: Problem, budget: int | None = None, **cpsat_options) -> Plan:
 REPEATED_MIN_NODES = 5_000
 
 
-def _patterns_or_search(problem: Problem, budget: int | None, search, options: dict) -> Plan:
+def _patterns_or_search(problem: Problem, limit: int | None, search, options: dict) -> Plan:
     """``auto``'s plan (its docstring): below ``REPEATED_MIN_NODES`` CP-SAT's search only
     where the patterns are not proven within the gap limit (see docs/solver-notes.md,
     "Repeated blocks": the patterns first)."""
-    if budget is None:
-        return search(problem, budget, **options)
+    if limit is None:
+        return search(problem, limit, **options)
     start = time.perf_counter()
-    patterns = repeated(problem, budget, **options)  # CP-SAT itself where no block repeats
+    patterns = repeated(problem, limit, **options)  # CP-SAT itself where no block repeats
     if (
         len(problem) >= REPEATED_MIN_NODES
         or patterns.solver != "repeated"
         or patterns.gap <= options.get("gap_limit", GAP_LIMIT)
     ):
         return patterns
-    searched = search(problem, budget, **options)
+    searched = search(problem, limit, **options)
     best = min((searched, patterns), key=lambda plan: plan.cost)
     return with_bound(
         best,
         max(patterns.bound, searched.bound),
         solver=best.solver,
-        budget=budget,
+        limit=limit,
         seconds=time.perf_counter() - start,
         proven=searched.status == "optimal",
     )
@@ -94,14 +93,14 @@ SOLVERS: dict[str, Solver] = {  # the one registry of names; the first is the de
 
 
 def solver_for(solver: str | Solver) -> Solver:
-    """The solver a name (from ``SOLVERS``) or a callable ``(problem, budget_bytes) -> Plan``
+    """The solver a name (from ``SOLVERS``) or a callable ``(problem, limit) -> Plan``
     stands for; ``InvalidOption`` naming the choices otherwise."""
     if callable(solver):
         return solver
     if solver not in SOLVERS:
         raise InvalidOption(
             f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)} "
-            "or pass a callable (problem, budget_bytes) -> Plan"
+            "or pass a callable (problem, limit) -> Plan"
         )
     return SOLVERS[solver]
 
@@ -119,13 +118,13 @@ def with_time_limit(solver: str, time_limit: float | None) -> str | Solver:
 
 def solve(
     problem: Problem,
-    budget: BudgetLike,
+    limit: int,
     solver: str | Solver = "auto",
     candidates: Callable[[], Mapping[str, Iterable[int]]] | None = None,
 ) -> Plan:
-    """Plan ``problem`` under ``budget`` (a ``Budget``, or what ``Budget.parse`` reads).
+    """Plan ``problem`` to peak at most ``limit`` bytes.
 
-    ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, budget_bytes) -> Plan``.
+    ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, limit) -> Plan``.
     ``candidates`` gives saved sets found elsewhere, by name (torch's own partition): one
     that fits and costs less than the solver's plan is returned instead, under the name and
     with the solver's bound (a bound on every plan); one ``schedule`` refuses is skipped.
@@ -133,13 +132,18 @@ def solve(
     of every plan: a candidate could save no more than CP-SAT itself stops short of.
     No plan is taken on faith: each is derived again from its saved set (and its backward
     order, where it gives one) through ``schedule`` and ``simulate``, a plan whose peak,
-    cost or programs differ from that is refused (``InvalidPlan``), and the budget is
+    cost or programs differ from that is refused (``InvalidPlan``), and the limit is
     checked against the derived peak; so a buggy solver cannot break the promise.
+    A user's budget becomes ``limit`` through ``Budget.resolve`` (a fraction needs the
+    problem's store-all peak).
     """
     fn = solver_for(solver)
-    budget = Budget.parse(budget)
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(
+            f"limit must be bytes (int), got {type(limit).__name__}: resolve a budget with "
+            "Budget.parse(budget).resolve(store_all(problem).peak)"
+        )
     with _no_cycle_collection():
-        limit = budget.resolve(store_all(problem).peak)
         plan = _checked(problem, _run_or_greedy(fn, problem, limit, solver), solver)
         if plan.peak > limit:
             minimum = min_peak_plan(problem).peak
@@ -160,7 +164,7 @@ def _cheapest(
     """``plan``, or the cheapest of ``candidates`` that fits ``limit`` where it costs less."""
     for name, saved in candidates.items():
         try:
-            other = evaluate(problem, saved, solver=name, budget=limit)
+            other = evaluate(problem, saved, solver=name, limit=limit)
         except InvalidPlan as e:
             log.debug("remat %s: candidate %s skipped: %s", problem.name, name, e)
             continue
@@ -169,7 +173,7 @@ def _cheapest(
                 plan = replace(other, solve_seconds=plan.solve_seconds)
             else:
                 seconds = plan.solve_seconds
-                plan = with_bound(other, plan.bound, solver=name, budget=limit, seconds=seconds)
+                plan = with_bound(other, plan.bound, solver=name, limit=limit, seconds=seconds)
     return plan
 
 

@@ -37,6 +37,7 @@ from .measured import (
     KernelMemory,
     ProfileResult,
     kernel_memory,
+    output_strides,
     profile_seconds,
     scratch_measurable,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "is_random",
     "kernel_memory",
     "output_bytes",
+    "output_strides",
     "profile_seconds",
     "random_numbers",
     "scratch_measurable",

@@ -51,8 +51,7 @@ import torch
 from torch import nn
 
 from remat import memory
-from remat.api import COMPILERS
-from remat.costs import COST_MODELS
+from remat.costs import COMPILERS, COST_MODELS
 from remat.errors import InfeasibleBudget, user_error
 from remat.passes._torch_compat import (
     aot_autograd,
@@ -331,7 +330,7 @@ class _Skip(Exception):
 
 def _infeasible(e: InfeasibleBudget) -> str:
     return (
-        f"infeasible: budget {format_bytes(e.budget)} < remat's minimum "
+        f"infeasible: budget {format_bytes(e.limit)} < remat's minimum "
         f"{format_bytes(e.minimum)} ({e.minimum / max(e.store_all, 1):.1%} of store-all)"
     )
 
@@ -448,7 +447,7 @@ def _remat_columns(row: Row, report) -> None:
     row.predicted_s = sum(g.step_seconds for g in graphs)
     # the step's joint plans where a step ended, else the graphs' compile-time ones
     plans = [s.plan for s in report.steps] or [g.plan for g in graphs]
-    row.budget_bytes = max([s.budget for s in report.steps] or [g.budget for g in graphs])
+    row.budget_bytes = max([s.limit for s in report.steps] or [g.limit for g in graphs])
     solves = sum(s.plan.solve_seconds for s in report.steps)
     row.plan_s = sum(g.plan_seconds for g in graphs) + solves
     gaps = [p.gap for p in plans]

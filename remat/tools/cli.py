@@ -22,8 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from remat.api import COMPILERS
-from remat.costs import COST_MODELS
+from remat.costs import COMPILERS, COST_MODELS
 from remat.errors import RematError, user_error
 from remat.solvers import SOLVERS, Budget
 from remat.tools.commands import (

@@ -231,7 +231,7 @@ def cmd_train(args, progress: Progress) -> int:
     print()
     verdict, ok = _loss_verdict(losses, random)
     ratio = peaks["remat"] / max(peaks["eager"], 1)
-    budgets = sorted({g.budget for g in report.graphs})
+    budgets = sorted({g.limit for g in report.graphs})
     within = all(peaks["remat"] <= b for b in budgets) if len(budgets) == 1 else None
     print(
         f"measured peak: remat {format_bytes(peaks['remat'])} = {ratio:.1%} of eager's "

@@ -120,7 +120,7 @@ def plan_table(report, budget: str) -> str:
         return "no graph was compiled (does the model's forward run any torch op?)"
     metrics: list[tuple[str, Callable]] = [
         ("nodes", lambda g: len(g.extracted.problem)),
-        ("budget", lambda g: format_bytes(g.budget)),
+        ("budget", lambda g: format_bytes(g.limit)),
         ("saved values", lambda g: len(g.plan.saved)),
         ("saved bytes", lambda g: format_bytes(g.saved_bytes)),
         ("recomputed values", lambda g: len(g.plan.recomputed)),
@@ -172,7 +172,7 @@ def _overhead(g) -> float:
 
 
 def train_table(args, report, peaks, times, losses) -> str:
-    budgets = sorted({g.budget for g in report.graphs})
+    budgets = sorted({g.limit for g in report.graphs})
     budget = f"{args.budget} = {format_bytes(budgets[0])}" if len(budgets) == 1 else args.budget
     rows = [
         (

@@ -95,7 +95,7 @@ def _train(model, optimized, reference, rank: int, world: int, local_grad) -> di
     return {
         "peaks": peaks,
         "predicted": report.predicted_peak,
-        "budget": max(s.budget for s in report.steps),
+        "budget": max(s.limit for s in report.steps),
         "graphs": len(report.graphs),
         "runs": report.steps[-1].runs,
         "solvers": [s.plan.solver for s in report.steps],

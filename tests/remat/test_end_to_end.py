@@ -79,7 +79,7 @@ def test_training_matches_eager(name, budget):
     for (key, b), (_, c) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=key)
     report = optimized.remat.report()
-    assert report.graphs and all(g.plan.peak <= g.budget for g in report.graphs)
+    assert report.graphs and all(g.plan.peak <= g.limit for g in report.graphs)
 
 
 @pytest.mark.slow
@@ -164,7 +164,7 @@ def test_measured_peak_keeps_the_budget_and_matches_prediction(name):
         model.zero_grad(set_to_none=True)
         peak = memory.peak(lambda m=optimized, x=inputs: m(*x).backward()).peak_bytes
         report = optimized.remat.report()
-        budget = report.graphs[0].budget
+        budget = report.graphs[0].limit
         predicted = report.predicted_peak
         assert peak <= budget, (fraction, peak, budget)
         # the rewritten programs run the simulated schedule; CPU allocations are exact
@@ -373,7 +373,7 @@ def test_plan_does_not_train_or_touch_buffers():
     for k, b in model.named_buffers():
         assert torch.equal(b, buffers[k]), k
     assert all(p.grad is None for p in model.parameters())
-    assert report.predicted_peak <= report.graphs[0].budget
+    assert report.predicted_peak <= report.graphs[0].limit
     text = str(report)
     assert "predicted peak" in text and "graph0" in text
 
@@ -436,7 +436,7 @@ def test_inductor_compiler_trains_like_eager_under_the_budget():
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5)
     model.zero_grad(set_to_none=True)
     peak = memory.peak(lambda: optimized(*inputs).backward()).peak_bytes
-    assert peak <= 1.10 * optimized.remat.report().graphs[0].budget
+    assert peak <= 1.10 * optimized.remat.report().graphs[0].limit
 
 
 def test_profile_cost_model_plans_with_measured_times():
@@ -514,9 +514,9 @@ def test_a_plan_that_gives_its_order_is_what_the_step_predicts():
     step's prediction follows that order, as the programs do."""
     from remat.solvers.chain import chain_plan, find_chain, sqrt_actions
 
-    def every_second_stage(problem, budget):
+    def every_second_stage(problem, limit):
         chain = find_chain(problem)
-        return chain_plan(chain, sqrt_actions(chain.length, 2), solver="sqrt", budget=budget)
+        return chain_plan(chain, sqrt_actions(chain.length, 2), solver="sqrt", limit=limit)
 
     model, inputs = examples.mlp(layers=8, width=64, batch=512)
     optimized = remat.optimize(model, budget=1.0, solver=every_second_stage)

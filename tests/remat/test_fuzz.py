@@ -146,7 +146,7 @@ def _check(spec: fuzz.ModelSpec, budget) -> None:
     report = ours.run.remat.report()
     assert report.steps, "the first step ended without a step plan"
     for s in report.steps:
-        assert s.plan.peak <= s.budget, (s.graphs, s.plan.peak, s.budget)
+        assert s.plan.peak <= s.limit, (s.graphs, s.plan.peak, s.limit)
     predicted = report.predicted_peak
     if spec.has_batchnorm:
         assert 0 <= predicted - measured <= BATCHNORM_SLACK, (predicted, measured)
@@ -163,7 +163,7 @@ def check_model(spec: fuzz.ModelSpec, fraction: float) -> None:
     try:
         _check(spec, fraction)
     except remat.InfeasibleBudget as refused:
-        assert refused.minimum > refused.budget, (refused.minimum, refused.budget)
+        assert refused.minimum > refused.limit, (refused.minimum, refused.limit)
         _check(spec, refused.minimum)
     finally:
         log.setLevel(level)

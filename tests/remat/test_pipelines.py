@@ -56,7 +56,7 @@ def test_mixed_precision_with_accumulation_keeps_budget_and_eagers_gradients(pre
     for seed in (1, 2, 3):
         step(reference, seed)
     report = optimized.remat.report()
-    budget = report.steps[-1].budget
+    budget = report.steps[-1].limit
     # the 8 bytes: the wrapped scalar of ``/ 3`` (docs/guide.md, "What the budget covers")
     assert report.predicted_peak <= budget
     assert all(p <= budget and abs(p - report.predicted_peak) <= 8 for p in peaks), peaks
@@ -135,7 +135,7 @@ def test_hf_trainer_trains_an_optimized_model_within_the_budget_per_shape(tmp_pa
     model, optimized, peaks = train(optimized=True)
     report = optimized.remat.report()
     assert len(peaks) == 2 and len(report.steps) == 2
-    budgets = dict(zip(peaks, (s.budget for s in report.steps), strict=True))  # first seen
+    budgets = dict(zip(peaks, (s.limit for s in report.steps), strict=True))  # first seen
     for shape, measured in peaks.items():
         assert measured and all(p <= budgets[shape] for p in measured), (shape, measured, budgets)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):

@@ -14,7 +14,7 @@ from remat import costs
 from remat.errors import InvalidOption
 from remat.passes.min_cut import torch_saved
 from remat.planner import TORCH_CANDIDATE, Planner
-from remat.solvers import SOLVERS, evaluate, saved_bytes, store_all
+from remat.solvers import SOLVERS, Budget, evaluate, saved_bytes, store_all
 from remat.solvers.cpsat import GAP_LIMIT
 
 aten = torch.ops.aten
@@ -58,9 +58,8 @@ def joint():
 
 def plan_of(joint, budget, compiler):
     graph, n = joint
-    planner = Planner(budget, compiler=compiler)
-    planner(copy.deepcopy(graph), None, num_fwd_outputs=n)
-    return planner.graphs[0]
+    planner = Planner(Budget.parse(budget), compiler=compiler)
+    return planner.plan(copy.deepcopy(graph), n).record
 
 
 def test_inductor_runs_a_pointwise_op_inside_its_reader_and_a_matmul_alone(joint):
@@ -111,7 +110,7 @@ def test_remat_is_never_costlier_than_torchs_partition_where_it_fits(joint, comp
     saved = torch_saved(joint[0], joint[1], graph.extracted)
     assert saved is not None and saved
     theirs = evaluate(graph.extracted.problem, saved, solver="torch")
-    if theirs.peak <= graph.budget:  # taken where cheaper, unless proven within the limit
+    if theirs.peak <= graph.limit:  # taken where cheaper, unless proven within the limit
         assert graph.plan.cost <= theirs.cost / (1 - GAP_LIMIT) + 1e-12
 
 
@@ -137,15 +136,14 @@ def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, m
     monkeypatch.setitem(SOLVERS, "auto", SOLVERS["store-all"])  # never proven within 1%
     plans = []
     for _ in range(2):  # two processes sharing one folder
-        run = Planner(1.0, compiler="inductor", cache=cache.PlanCache(tmp_path))
-        run(copy.deepcopy(graph), None, num_fwd_outputs=n)
-        plans.append(run.graphs[0].plan)
+        run = Planner(Budget.parse(1.0), compiler="inductor", cache=cache.PlanCache(tmp_path))
+        plans.append(run.plan(copy.deepcopy(graph), n).record.plan)
     assert len(calls) == 1 and run.cache.counts["candidates hit"] == 1
     assert plans[0].solver == plans[1].solver == TORCH_CANDIDATE
     assert plans[0].saved == plans[1].saved
     # a damaged entry is partitioned again, never trusted
     (entry,) = tmp_path.glob("candidates-*.json")
     entry.write_text('{"format": 1, "key": "x"}')
-    run = Planner(1.0, compiler="inductor", cache=cache.PlanCache(tmp_path))
-    run(copy.deepcopy(graph), None, num_fwd_outputs=n)
-    assert len(calls) == 2 and run.graphs[0].plan.saved == plans[0].saved
+    run = Planner(Budget.parse(1.0), compiler="inductor", cache=cache.PlanCache(tmp_path))
+    again = run.plan(copy.deepcopy(graph), n).record.plan
+    assert len(calls) == 2 and again.saved == plans[0].saved

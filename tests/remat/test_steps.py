@@ -1,5 +1,5 @@
 """One budget for the whole step: graph breaks, a loss outside the model, a graph run more
-than once, planned together from the second step on (``remat.steps``)."""
+than once, planned together from the second step on (``remat.runtime``)."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_logits_returned_beside_the_loss_count_while_the_caller_holds_them(keep)
     peaks = _steps(step, model)
     report = optimized.remat.report()
     assert peaks == [report.predicted_peak] * 3
-    assert report.predicted_peak <= report.steps[0].budget
+    assert report.predicted_peak <= report.steps[0].limit
     problem, logits_bytes = report.steps[0].composed.problem, x.shape[0] * 512 * 4
     held = [i for i in problem.outputs if problem.nodes[i].bytes == logits_bytes]
     assert bool(held) == keep  # the logits are a held output only while the caller holds them
@@ -268,7 +268,7 @@ def test_a_graph_break_in_a_loop_is_planned_not_warned(caplog):
     report = optimized.remat.report()
     (plan,) = report.steps
     assert plan.runs > len(report.graphs)  # a graph rerun within the step
-    assert max(peaks) <= report.predicted_peak <= plan.budget
+    assert max(peaks) <= report.predicted_peak <= plan.limit
     assert "cannot be planned as one" not in caplog.text
     _same_gradients(model, lambda: _loss(optimized(x), y).backward(), x, y)
 
@@ -293,7 +293,7 @@ def test_a_recompile_for_new_shapes_is_a_step_of_its_own():
         peaks = _steps(lambda x=x, y=y: _loss(optimized(x), y).backward(), model)
     steps = optimized.remat.report().steps
     assert [s.graphs for s in steps] == [("graph0", "graph1"), ("graph2", "graph3")]
-    assert max(peaks) <= steps[1].plan.peak <= steps[1].budget
+    assert max(peaks) <= steps[1].plan.peak <= steps[1].limit
 
 
 @pytest.mark.slow

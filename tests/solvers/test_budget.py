@@ -153,12 +153,12 @@ def test_resolve_budget(budget, store_all_peak, expected):
     assert type(value) is int
 
 
-def test_solve_rejects_what_parse_rejects():
-    problem = chain(4)
-    with pytest.raises(ValueError, match="fraction"):
-        solve(problem, 1.5)
-    with pytest.raises(TypeError):
-        solve(problem, True)
+@pytest.mark.parametrize("limit", [1.0, 1.5, "100%", True, None])
+def test_solve_takes_a_limit_in_bytes_only(limit):
+    """A user's budget is parsed at the API and resolved per problem; what reaches
+    ``solve`` is bytes, and anything else says how to make it."""
+    with pytest.raises(TypeError, match="Budget.parse"):
+        solve(chain(4), limit)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -167,7 +167,7 @@ def test_solve_rejects_what_parse_rejects():
 def test_infeasible_budget_names_the_minimum_in_bytes():
     e = InfeasibleBudget(1000, 123456, 987654, "mlp")
     assert isinstance(e, ValueError)
-    assert (e.budget, e.minimum, e.store_all) == (1000, 123456, 987654)
+    assert (e.limit, e.minimum, e.store_all) == (1000, 123456, 987654)
     text = str(e)
     assert "123456 bytes" in text
     assert "at least 123456 bytes" in text
@@ -184,7 +184,7 @@ def test_infeasible_budget_from_solve_names_the_real_minimum():
         solve(p, minimum - 1)
     e = info.value
     assert e.minimum == minimum
-    assert e.budget == minimum - 1
+    assert e.limit == minimum - 1
     assert e.store_all == store_all(p).peak
     assert f"{minimum} bytes" in str(e)
     # and the minimum it names is really reachable
@@ -193,7 +193,7 @@ def test_infeasible_budget_from_solve_names_the_real_minimum():
 
 def test_unknown_solver_lists_the_solvers():
     with pytest.raises(ValueError, match="unknown solver 'nope'") as info:
-        solve(chain(2), 1.0, solver="nope")
+        solve(chain(2), 100, solver="nope")
     for name in SOLVERS:
         assert repr(name) in str(info.value)
     assert "callable" in str(info.value)
@@ -216,7 +216,7 @@ def test_callable_solver_over_an_infeasible_budget():
 
     with pytest.raises(InfeasibleBudget) as info:
         solve(p, minimum - 1, solver=lazy)
-    assert info.value.minimum == minimum > info.value.budget
+    assert info.value.minimum == minimum > info.value.limit
 
 
 def test_callable_solver_over_a_feasible_budget_is_caught():
@@ -235,7 +235,7 @@ def test_callable_solver_over_a_feasible_budget_is_caught():
         solve(p, budget, solver=lazy)
     e = info.value
     if isinstance(e, InfeasibleBudget):
-        assert e.minimum > e.budget, f"InfeasibleBudget names a minimum below the budget: {e}"
+        assert e.minimum > e.limit, f"InfeasibleBudget names a minimum below the budget: {e}"
     assert "lazy" in str(e)
 
 
@@ -262,7 +262,7 @@ def test_no_plan_is_taken_on_faith():
         solve(p, 1000, forged)
     other = store_all(chain(3))
     with pytest.raises(RematError, match="solver <lambda>"):
-        solve(p, 1.0, lambda problem, budget: other)
+        solve(p, store_all(p).peak, lambda problem, limit: other)
 
 
 def test_a_solver_that_crashes_is_replaced_by_the_greedy_with_a_warning(caplog):
@@ -280,24 +280,23 @@ def test_a_solver_that_crashes_is_replaced_by_the_greedy_with_a_warning(caplog):
 
 def test_callable_returning_a_non_plan_is_a_type_error():
     with pytest.raises(TypeError, match="returned dict, expected a Plan"):
-        solve(chain(2), 1.0, solver=lambda problem, budget: {"saved": []})
+        solve(chain(2), 100, solver=lambda problem, limit: {"saved": []})
     with pytest.raises(TypeError, match="returned NoneType"):
-        solve(chain(2), 1.0, solver=lambda problem, budget: None)
+        solve(chain(2), 100, solver=lambda problem, limit: None)
 
 
-def test_callable_gets_the_budget_in_bytes():
+def test_callable_gets_the_limit_in_bytes():
     p = chain(3)
     seen = []
 
-    def spy(problem, budget):
-        seen.append(budget)
+    def spy(problem, limit):
+        seen.append(limit)
         return store_all(problem)
 
     peak = store_all(p).peak
-    solve(p, 1.0, solver=spy)
-    solve(p, "100%", solver=spy)
+    solve(p, Budget.parse("100%").resolve(peak), solver=spy)
     solve(p, peak, solver=spy)
-    assert seen == [peak, peak, peak]
+    assert seen == [peak, peak]
     assert all(type(b) is int for b in seen)
 
 
@@ -318,11 +317,11 @@ def test_solve_pauses_cycle_collection_and_restores_it(enabled):
     was = gc.isenabled()
     try:
         gc.enable() if enabled else gc.disable()
-        solve(p, 1.0, solver=spy)
+        solve(p, store_all(p).peak, solver=spy)
         assert during == [False]
         assert gc.isenabled() is enabled
         with pytest.raises(InvalidOption, match="solver bug"):
-            solve(p, 1.0, solver=broken)
+            solve(p, store_all(p).peak, solver=broken)
         assert gc.isenabled() is enabled
     finally:
         gc.enable() if was else gc.disable()
@@ -330,7 +329,7 @@ def test_solve_pauses_cycle_collection_and_restores_it(enabled):
 
 def test_full_budget_is_store_all():
     p = chain(5)
-    plan = solve(p, 1.0)
+    plan = solve(p, store_all(p).peak)
     assert isinstance(plan, Plan)
     assert plan.saved == store_all(p).saved
     assert plan.recompute_cost == 0

@@ -181,7 +181,7 @@ def assert_solver_plan(problem: Problem, plan: Plan, budget: int) -> None:
     """What every cpsat answer promises, whatever its status."""
     check_plan(problem, plan)
     assert plan.solver == "cpsat"
-    assert plan.budget == budget
+    assert plan.limit == budget
     assert plan.peak <= budget
     assert plan.status in ("optimal", "feasible")
     assert plan.bound is not None
@@ -401,7 +401,7 @@ def test_cpsat_below_greedys_minimum_fits_or_refuses(data, problem):
     except InfeasibleBudget as e:
         event("refused" if e.minimum == minimum else "refused, naming a lower minimum")
         assert budget < e.minimum <= minimum
-        assert e.budget == budget
+        assert e.limit == budget
     else:
         event("fits below greedy's minimum")
         assert_solver_plan(problem, plan, budget)
@@ -535,7 +535,7 @@ def test_budget_below_every_plan_is_refused(data, problem):
     with pytest.raises(InfeasibleBudget) as info:
         cpsat(problem, budget, time_limit=2.0)
     assert lowest <= info.value.minimum <= minimum_peak(problem)
-    assert info.value.budget == budget
+    assert info.value.limit == budget
     # the minimum it names is a budget it fits (it found a plan there while refusing)
     assert cpsat(problem, info.value.minimum, time_limit=2.0).peak <= info.value.minimum
 
@@ -576,10 +576,10 @@ def test_solve_with_cpsat_auto_and_a_callable(data, problem):
         assert plan.cost <= base.cost + tol(base.cost)
 
 
-def test_solve_with_cpsat_and_a_fraction():
+def test_solve_with_cpsat_at_the_store_all_peak():
     problem = small_problem()
     full = store_all(problem).peak
-    plan = solve(problem, 1.0, solver="cpsat")
+    plan = solve(problem, full, solver="cpsat")
     assert_solver_plan(problem, plan, full)
     assert plan.recompute_cost == 0
 

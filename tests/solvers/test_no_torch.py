@@ -93,13 +93,13 @@ spec.loader.exec_module(pkg)
 synthetic = importlib.import_module("standalone_solvers.synthetic")
 problem = synthetic.chain(6)
 full = pkg.store_all(problem)
-plan = pkg.solve(problem, 0.7)
+plan = pkg.solve(problem, pkg.Budget.parse(0.7).resolve(full.peak))
 print(json.dumps({
     "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
     "remat": sorted(m for m in sys.modules if m == "remat" or m.startswith("remat.")),
     "store_all_peak": full.peak,
     "peak": plan.peak,
-    "budget": plan.budget,
+    "limit": plan.limit,
     "module": pkg.solve.__module__,
 }))
 """
@@ -118,5 +118,5 @@ def test_solvers_run_standalone_without_torch(tmp_path):
     assert out["torch"] == []
     assert out["remat"] == []
     assert out["module"] == "standalone_solvers.solve"
-    assert out["budget"] == int(0.7 * out["store_all_peak"])
-    assert 0 < out["peak"] <= out["budget"]
+    assert out["limit"] == int(0.7 * out["store_all_peak"])
+    assert 0 < out["peak"] <= out["limit"]

@@ -74,7 +74,7 @@ def test_a_cheaper_candidate_that_fits_is_taken_with_the_solvers_bound():
     assert greedy_plan.saved == {0, 1}
     plan = solve(problem, full.peak, "store-all", candidates=lambda: {"elsewhere": {1}})
     assert plan.solver == "elsewhere" and plan.saved == {1}
-    assert plan.cost < greedy_plan.cost and plan.budget == full.peak
+    assert plan.cost < greedy_plan.cost and plan.limit == full.peak
     bounded = solve(problem, full.peak, "greedy", candidates=lambda: {"elsewhere": {0, 1}})
     assert bounded.solver == "greedy"  # costlier than the solver's own: not taken
 
@@ -104,4 +104,4 @@ def test_a_plan_that_misstates_its_save_cost_is_refused():
         return dataclasses.replace(store_all(p), save_cost=0.0)
 
     with pytest.raises(InvalidPlan, match="save cost"):
-        solve(problem, 1.0, forged)
+        solve(problem, store_all(problem).peak, forged)

@@ -79,7 +79,7 @@ def test_prove_closes_a_knapsack_gap_the_lp_leaves_open():
 def test_prove_returns_the_mips_plan_where_it_fits_and_is_cheaper():
     problem, budget = _knapsack()
     optimum = cpsat(problem, budget, gap_limit=0)
-    nothing = evaluate(problem, (), solver="recompute-all", budget=budget)
+    nothing = evaluate(problem, (), solver="recompute-all", limit=budget)
     assert nothing.cost > optimum.cost
     proved = prove(problem, nothing, seconds=10.0)
     assert proved.peak <= budget
@@ -120,7 +120,7 @@ def test_prove_lifts_the_lp_bound_of_a_layered_graph():
 def test_prove_refuses_a_plan_over_its_budget_and_a_bad_time():
     problem = layered(2)
     plan = greedy(problem, int(store_all(problem).peak * 0.8))
-    over = evaluate(problem, (), solver="t", budget=plan.peak - 1)
+    over = evaluate(problem, (), solver="t", limit=plan.peak - 1)
     with pytest.raises(ValueError, match="fits its budget"):
         prove(problem, over)
     with pytest.raises(ValueError, match="seconds must be positive"):
@@ -131,7 +131,7 @@ def test_prove_refuses_a_plan_that_recomputes_a_value_more_than_once():
     problem = chain(12)
     plan = revolve(problem, None, slots=1)
     assert plan.multiple
-    fitting = with_bound(plan, 0.0, solver="revolve", budget=plan.peak, seconds=0.0)
+    fitting = with_bound(plan, 0.0, solver="revolve", limit=plan.peak, seconds=0.0)
     with pytest.raises(ValueError, match="more than once"):
         prove(problem, fitting)
 

@@ -265,7 +265,7 @@ def test_greedy_meets_every_budget_down_to_its_minimum(data, problem):
     # lowest plan as greedy(problem) does, along the same path, stopping at the first
     # plan that fits. min_peak_plan is the lowest of all of these, so b >= it is met.
     assert plan.peak <= budget
-    assert plan.budget == budget
+    assert plan.limit == budget
     check_plan(problem, plan)
     # greedy documents itself as the cheapest of its candidates that fits, and the
     # checkpoint sweep is always among them: never costlier than a sweep plan that fits.
@@ -285,7 +285,7 @@ def test_budget_below_the_minimum_is_refused_with_the_minimum(data, problem):
     e = info.value
     assert budget < e.minimum <= full.peak
     assert e.minimum == minimum
-    assert (e.budget, e.store_all) == (budget, full.peak)
+    assert (e.limit, e.store_all) == (budget, full.peak)
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -316,7 +316,7 @@ def test_peak_is_monotone_in_the_budget(data, problem):
 def test_store_all_budget_costs_no_more_than_store_all(problem):
     full = store_all(problem)
     # store-all's own plan is greedy's first candidate and fits its own peak
-    for plan in (greedy(problem, full.peak), solve(problem, 1.0), solve(problem, "100%")):
+    for plan in (greedy(problem, full.peak), solve(problem, full.peak)):
         assert plan.peak <= full.peak
         assert plan.cost <= full.cost + 1e-9
 

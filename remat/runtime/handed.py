@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from remat.outside import OutsideMemory
 from remat.passes._torch_compat import storage_key
+from remat.runtime.outside import OutsideMemory
 from remat.solvers import Node, Problem
 
 

@@ -1,0 +1,136 @@
+"""The ``torch.compile`` backend: each graph dynamo compiles is planned (``Planner``) and,
+under the eager compiler, run step by step (``remat.runtime``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from remat.cache import PlanCache
+from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
+from remat.errors import InvalidOption
+from remat.passes._torch_compat import (
+    aot_autograd,
+    boxed,
+    compile_caches_off,
+    custom_partitioner_base,
+    inductor,
+)
+from remat.planner import CompiledGraph, GraphPlan, Planner
+from remat.report import PlanReport
+from remat.runtime import StepRunner
+from remat.solvers.budget import Budget
+from remat.solvers.solve import Solver
+
+
+class RematBackend:
+    """A ``torch.compile`` backend that plans each graph with a ``Planner`` as it is
+    compiled and, with ``compiler="eager"``, each step as one (``remat.runtime``).
+
+    ``compiler="eager"`` runs the rewritten fx programs as plain Python (the
+    schedule is exactly the plan's); ``"inductor"`` hands remat's partition to
+    inductor, which fuses kernels inside it (peak then tracks, not equals, the
+    prediction), and keeps each graph's compile-time plan. ``budget`` is parsed
+    already (``Budget.parse``, at the API).
+    """
+
+    def __init__(
+        self,
+        budget: Budget,
+        *,
+        solver: str | Solver = "auto",
+        compiler: str = "eager",
+        cost_model: str = "roofline",
+        cache: PlanCache | None = None,
+    ) -> None:
+        if compiler not in COMPILERS:
+            raise InvalidOption(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        self.compiler = compiler
+        self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
+        self.cache = cache  # ``remat.cache``; None when off
+        # under inductor remat sees no runs, and a graph's plan is its last word
+        self.planner = Planner(
+            budget,
+            solver=solver,
+            cost_model=cost_model,
+            compiler=compiler,
+            cache=cache,
+            joint_follows=compiler == "eager",
+        )
+        self.steps = StepRunner(budget, solver, cache)
+
+    @property
+    def graphs(self) -> list[GraphPlan]:
+        return self.planner.graphs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+        self.compiles += 1
+        leaves = _leaves_needing_grad(example_inputs)
+        with self.steps.paused():  # planning mid-step allocates; the user's code did not
+            if self.compiler == "inductor":
+                # Caches would skip the partitioner on a hit, leaving no plan to report.
+                with compile_caches_off():
+                    partition = InductorPartitioner(self.planner, leaves)
+                    return inductor(gm, example_inputs, partitioner=partition)
+            return self._compile_eager(gm, example_inputs, leaves)
+
+    def _compile_eager(self, gm, example_inputs, leaves: frozenset[tuple[int, int]]):
+        """AOTAutograd with remat's partition: the graph it plans goes to the step runner,
+        whose forward and backward run it. The runner takes the graph when its forward is
+        compiled, not at the partition: AOTAutograd may edit the programs in between
+        (effect tokens, saved-tensors hooks), and they must be read as they will run."""
+        planned: list[CompiledGraph] = []  # the graph of this compile, if it needs gradients
+
+        def partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_ignored):
+            held = self.steps.held_now()
+            compiled = self.planner.plan(joint, num_fwd_outputs, leaves=leaves, held=held)
+            planned.append(compiled)
+            return compiled.forward, compiled.backward
+
+        def compile_forward(program: torch.fx.GraphModule, _inputs):
+            if not planned:  # an inference graph (no gradient needed): nothing planned
+                return boxed(program)
+            return self.steps.forward(self.steps.add(planned[-1]))
+
+        def compile_backward(_program: torch.fx.GraphModule, _inputs):
+            return self.steps.backward(self.steps.graphs[planned[-1].record.name])
+
+        return aot_autograd(
+            fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=partition
+        )(gm, example_inputs)
+
+    def report(self) -> PlanReport:
+        return PlanReport(tuple(self.planner.graphs), tuple(self.steps.plans))
+
+
+def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
+    """(identity, bytes) of the inputs autograd accumulates a gradient into (parameters):
+    ``GraphPlan.leaves``."""
+    return frozenset(
+        (id(t), t.numel() * t.element_size())
+        for t in inputs
+        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+    )
+
+
+class InductorPartitioner(custom_partitioner_base()):
+    """Adapter for ``torch._inductor.config.custom_partitioner_fn``: plans each joint graph
+    with what earlier frames of the step hold (remat sees no runs under inductor)."""
+
+    def __init__(self, planner: Planner, leaves: frozenset[tuple[int, int]] = frozenset()):
+        self.planner = planner
+        self.leaves = leaves
+
+    def __call__(self, gm, joint_inputs, *, num_fwd_outputs: int, **_ignored):
+        held = self.planner.held_by_earlier_frames()
+        compiled = self.planner.plan(gm, num_fwd_outputs, leaves=self.leaves, held=held)
+        return compiled.forward, compiled.backward
+
+    def __deepcopy__(self, memo):
+        # inductor snapshots its config by deep copy; the planner and its plans are
+        # shared state, not configuration.
+        return self
+
+    def uuid(self):
+        return f"remat-{self.planner.budget}-{self.planner.solver}-{self.planner.cost_model}"

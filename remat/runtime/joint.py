@@ -1,0 +1,164 @@
+"""A recorded step planned as one: its runs composed into one problem (``solvers.step``),
+solved against the budget, and split back into a program per run (``StepPlan``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from remat.agree import planning_solver
+from remat.cache import PlanCache
+from remat.runtime.handed import keeping, own_order
+from remat.runtime.recording import Recording, Run
+from remat.solvers import InfeasibleBudget, Plan, evaluate, solve, store_all
+from remat.solvers.budget import Budget
+from remat.solvers.solve import Solver
+from remat.solvers.step import (
+    Composed,
+    Outside,
+    Step,
+    compose,
+    joint_order,
+    joint_saved,
+    split,
+    split_orders,
+)
+
+log = logging.getLogger("remat")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The joint plan of a recorded step: per run, its graph and program."""
+
+    graphs: tuple[str, ...]  # per run, in forward order
+    programs: tuple[int, ...]  # per run, the index into its graph's programs
+    composed: Composed
+    plan: Plan  # of ``composed.problem``
+    first_peak: int  # what the recorded (first) step's plans peak at, predicted
+    limit: int  # the budget in bytes for this step
+    store_all_peak: int  # of ``composed.problem``: what a fraction of a budget is of
+
+    @property
+    def runs(self) -> int:
+        return len(self.graphs)
+
+
+def plan_step(
+    step: Recording,
+    budget: Budget,
+    solver: str | Solver,
+    cache: PlanCache | None,
+    release: bool = True,
+) -> StepPlan:
+    """The joint plan of the recorded ``step`` under ``budget``, its limit resolved once
+    against the composed problem's store-all peak; with ``release``, counting the outputs
+    its caller dropped before the backwards as freed there (``Step.released``). A step of
+    one run whose compile-time plan already fits keeps it. ``InfeasibleBudget`` in the
+    step's terms where nothing fits."""
+    runs = step.runs
+    composed, released = _composed(step, release)
+    names = ", ".join(r.graph.name for r in runs)
+    used = tuple(r.graph.programs[r.program].plan for r in runs)
+    first = _as_run(composed, used, "compile-time")
+    log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
+    store_all_peak = store_all(composed.problem).peak
+    limit = budget.resolve(store_all_peak)
+    if len(runs) == 1 and first.peak <= limit:
+        compiled = runs[0].graph.programs[runs[0].program].plan
+        plan = _kept(first, compiled, limit)
+        programs = (runs[0].program,)
+    else:
+        try:
+            plan = solve(composed.problem, limit, planning_solver(solver, cache))
+        except InfeasibleBudget as refusal:
+            raise _in_step_terms(refusal, runs) from None
+        programs = _programs(composed, plan, runs)
+        if released:
+            # a run's program still hands a held output its backward reads over to
+            # it: the step's plan is what the programs run, checked against the limit
+            ran = tuple(r.graph.programs[k].plan for r, k in zip(runs, programs, strict=True))
+            again = _as_run(composed, ran, plan.solver)
+            if again.peak > limit:
+                return plan_step(step, budget, solver, cache, release=False)
+            plan = dataclasses.replace(again, status=plan.status, bound=plan.bound)
+        log.info("remat: step (%s) planned as one: %s", names, plan)
+    signature = tuple(r.graph.name for r in runs)
+    return StepPlan(signature, programs, composed, plan, first.peak, limit, store_all_peak)
+
+
+def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:
+    """The recorded runs laid out as one problem, with the outputs released early."""
+    runs = step.runs
+    levels, peaks, freed = step.handed.planned(step.levels, step.peaks)
+    problems = tuple(
+        keeping(r.graph.problem, freed.get(k, frozenset())) for k, r in enumerate(runs)
+    )
+    order = tuple(step.backward_order)
+    accumulate = _accumulate(runs, order)
+    released = tuple((r, i, s) for (r, i), s in sorted(step.released.items()) if release)
+    outside = Outside(levels, peaks)
+    shape = Step(problems, order, tuple(step.links), accumulate, outside, released)
+    names = ", ".join(r.graph.name for r in runs)
+    return compose(shape, name=f"step ({names})"), released
+
+
+def _programs(composed: Composed, plan: Plan, runs: list[Run]) -> tuple[int, ...]:
+    """Per run, the index of the program running its share of the joint ``plan``."""
+    saved = split(composed, plan)
+    orders = (
+        tuple(
+            own_order(o, r.graph.problem)
+            for o, r in zip(split_orders(composed, plan), runs, strict=True)
+        )
+        if plan.ordered
+        else (None,) * len(runs)
+    )
+    return tuple(
+        r.graph.program_for(evaluate(r.graph.problem, s, backward=o, solver=plan.solver))
+        for r, s, o in zip(runs, saved, orders, strict=True)
+    )
+
+
+def _as_run(composed: Composed, plans: tuple[Plan, ...], solver: str) -> Plan:
+    """The plan of ``composed`` that runs each run's own ``plans[r]``."""
+    saved = joint_saved(composed, tuple(p.saved for p in plans))
+    order = joint_order(composed, plans) if any(p.ordered for p in plans) else None
+    return evaluate(composed.problem, saved, backward=order, solver=solver)
+
+
+def _kept(first: Plan, compiled: Plan, limit: int) -> Plan:
+    """A one-run step keeping the plan its graph was compiled with. Its status and bound
+    carry over when the step's limit is within the graph's: outside memory only adds to
+    a peak, so every plan that fits the step fit the graph."""
+    if compiled.limit is not None and limit <= compiled.limit:
+        return dataclasses.replace(
+            first, solver=compiled.solver, status=compiled.status, bound=compiled.bound
+        )
+    return dataclasses.replace(first, solver=f"{compiled.solver} (compile-time)")
+
+
+def _accumulate(runs: list[Run], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Per run: the largest parameter it shares with a run whose backward ran before its
+    own (autograd sums the two gradients into a new tensor before freeing the old)."""
+    out = [0] * len(runs)
+    seen: set = set()
+    for position in order:
+        leaves = runs[position].graph.record.leaves
+        out[position] = max((b for ident, b in leaves if (ident, b) in seen), default=0)
+        seen |= leaves
+    return tuple(out)
+
+
+def _in_step_terms(refusal: InfeasibleBudget, runs: list[Run]) -> InfeasibleBudget:
+    names = ", ".join(r.graph.name for r in runs)
+    note = (
+        ""
+        if len(runs) == 1
+        else f"The step runs {len(runs)} graphs ({names}), planned together: the minimum is "
+        "the whole step's."
+    )
+    r = refusal
+    where = f"step ({names})"
+    return InfeasibleBudget(r.limit, r.minimum, r.store_all, where, r.proven, note=note)
