@@ -96,6 +96,9 @@ def dropout_mask(state: torch.Tensor, x: torch.Tensor, p: float, restore: bool) 
         _set_generator_state(x.device, current)
 
 
+DROPOUT_MASK = torch.ops.remat.dropout_mask.default  # the op as it stands in a graph
+
+
 @dropout_mask.register_fake
 def _(state, x, p, restore):
     return torch.empty_like(x, dtype=torch.bool)

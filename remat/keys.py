@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from torch import fx
 
-import remat
+from remat import passes, solvers
 from remat.costs import DeviceSpec
 from remat.passes._torch_compat import mutated_inputs
 from remat.solvers import Problem
+from remat.version import __version__
 
 
 def digest(*parts: object) -> str:
@@ -40,11 +41,8 @@ def versions() -> tuple[str, str]:
 def source_digest() -> str:
     """A hash of remat's Python source (its three packages): a development checkout
     between releases changes it with every edit of a cost rule or solver."""
-    from remat import passes, solvers
-
-    h = hashlib.sha256(remat.__version__.encode())
-    for package in (remat, passes, solvers):
-        root = Path(package.__file__).parent
+    h = hashlib.sha256(__version__.encode())
+    for root in (Path(__file__).parent, *(Path(p.__file__).parent for p in (passes, solvers))):
         for path in sorted(root.rglob("*.py")):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-import remat.passes.rng  # noqa: F401  (registers remat::dropout_mask, read below)
 from remat.passes._torch_compat import (
     HigherOrderOperator,
     OpOverload,
@@ -21,6 +20,7 @@ from remat.passes._torch_compat import (
     is_torch_assert,
     op_schema,
 )
+from remat.passes.rng import DROPOUT_MASK
 
 from ._fx import arg_value, hint, meta_val, tensors_of
 
@@ -36,7 +36,7 @@ __all__ = [
 def random_numbers(node: fx.Node) -> int:
     """Random numbers ``node`` draws: one per output element of a random op or of a
     dropout mask (``remat::dropout_mask``, which is not random to the planner: it replays)."""
-    if not (is_random(node) or node.target is torch.ops.remat.dropout_mask.default):
+    if not (is_random(node) or node.target is DROPOUT_MASK):
         return 0
     return sum(hint(t.numel()) for t in tensors_of(meta_val(node)))
 
