@@ -123,7 +123,7 @@ def test_plan_fraction(capsys, budget):
     assert rows["solver"][0] in ("repeated", "cpsat")
     assert rows["status"][0] in ("feasible", "optimal")
     assert rows["gap"][0].endswith("%") and rows["lower bound"][0] != "-"
-    assert float(rows["solve time"][0].split()[0]) >= 0
+    assert re.fullmatch(r"\d+\.\d{3} s", rows["solve time"][0])
     assert re.search(rf"budget {re.escape(budget)}: predicted peak .* \((\d+) B\)", out)
 
 
@@ -132,7 +132,10 @@ def test_plan_absolute_budget_and_store_all(capsys):
     assert code == 0, err
     rows = key_values(out)
     assert rows["budget"][0] == "1.0 MiB"
-    assert rows["recomputed bytes"][0] == "0 B" or rows["solver"][0] == "store-all"
+    assert rows["solver"][0] == "store-all"
+    # nothing recomputed: the values it moves to the backward are computed there once
+    assert rows["recomputed bytes"][0] == "0 B" and rows["recompute (est.)"][0] == "0"
+    assert rows["recompute overhead"][0] == "+0.0% of forward"
     assert rows["predicted peak"][0] == rows["store-all peak"][0]
 
 
@@ -251,8 +254,8 @@ def test_train_gpt_with_dropout(capsys):
     eager_peak, remat_peak = map(parse_bytes, rows["peak memory (measured, fwd+bwd)"])
     assert remat_peak < eager_peak
     assert "within the budget: yes" in out
-    # dropout masks: either replayed identically or reported as the reason for a difference
-    assert re.search(r"losses: (remat's (match|equal) eager's|differ .* random ops)", out)
+    # remat replays eager's dropout masks, so the losses match step by step
+    assert re.search(r"losses: remat's (match|equal) eager's", out)
 
 
 def test_train_passes_compiler_and_solver(capsys, monkeypatch):
