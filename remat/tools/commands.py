@@ -14,6 +14,7 @@ from typing import Any
 from remat.solvers import format_bytes
 from remat.solvers.solve import CPSAT_SOLVERS, with_time_limit
 from remat.tools import bench, examples
+from remat.tools.helptext import listed
 from remat.tools.output import dot, format_seconds, inspect_table, plan_table, train_table
 from remat.tools.rows import (
     dominates,
@@ -103,8 +104,9 @@ def _solver(args):
 def _check_time_limit(args, solvers: list[str]) -> None:
     """--time-limit is CP-SAT's: refused unless some solver named runs it."""
     if args.time_limit is not None and not set(CPSAT_SOLVERS) & set(solvers):
-        names = ", ".join(solvers)
-        raise UsageError(f"--time-limit applies to the solvers auto and cpsat, not {names}")
+        raise UsageError(
+            f"--time-limit applies to the solvers {listed(CPSAT_SOLVERS)}, not {', '.join(solvers)}"
+        )
 
 
 def _plan(args, model, inputs, budget, solver, progress: Progress):

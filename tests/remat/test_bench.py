@@ -319,7 +319,7 @@ def test_bench_cli_writes_json_and_csv(capsys, tmp_path):
         (["--cost-model", "roofline,guess"], ["unknown cost model(s) 'guess'"]),
         (["--size", "bogus=1"], ["bogus"]),
         (["--time-limit", "0"], ["--time-limit", "positive"]),
-        (["--solvers", "greedy", "--time-limit", "1"], ["auto and cpsat, not greedy"]),
+        (["--solvers", "greedy", "--time-limit", "1"], ["auto, cpsat and repeated, not greedy"]),
     ],
 )
 def test_bench_cli_usage_errors(capsys, argv, needles):
@@ -336,7 +336,7 @@ def test_pareto_cli_usage_errors(capsys):
     code, _out, err = run(capsys, "pareto", *MLP, "-q", "--points", "1")
     assert_usage_error(code, err, "at least 2 points")
     code, _out, err = run(capsys, "pareto", *MLP, "-q", "--solver", "greedy", "--time-limit", "1")
-    assert_usage_error(code, err, "auto and cpsat, not greedy")
+    assert_usage_error(code, err, "auto, cpsat and repeated, not greedy")
 
 
 def test_time_limit_reaches_cpsat_in_every_command(capsys, monkeypatch):

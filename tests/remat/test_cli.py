@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
@@ -9,7 +10,11 @@ import textwrap
 
 import pytest
 
+from remat.costs import COMPILERS, COST_MODELS
+from remat.solvers import SOLVERS
 from remat.tools.cli import main
+from remat.tools.examples import EXAMPLES
+from remat.tools.helptext import COMPILER_TEXT, COST_MODEL_TEXT
 from remat.tools.output import INSPECT_COLUMNS
 
 # Small enough to trace in a second or two, big enough that half the store-all peak is
@@ -299,6 +304,38 @@ def test_help_and_version_in_process(capsys):
     assert code == 0 and "--budget" in out and "--compiler" in out
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.startswith("remat ")
+
+
+def help_text(capsys, monkeypatch, *argv: str) -> str:
+    """``remat ARGV --help`` on stdout, its whitespace (argparse's wrapping) made single."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, err = run(capsys, *argv, "--help")
+    assert code == 0, err
+    return " ".join(out.split())
+
+
+def first_sentence(obj) -> str:
+    text = " ".join(inspect.getdoc(obj).split()).replace("``", "")
+    return re.match(r".+?\.(?=\s|$)", text).group(0)
+
+
+def test_plan_help_describes_every_solver_by_its_docstring(capsys, monkeypatch):
+    text = help_text(capsys, monkeypatch, "plan")
+    assert f"planning algorithm (default {next(iter(SOLVERS))}):" in text
+    for name, solver in SOLVERS.items():
+        assert f"{name}: {first_sentence(solver)}" in text, name
+
+
+@pytest.mark.parametrize("command", ["inspect", "plan", "train", "bench", "pareto"])
+def test_help_describes_every_example_cost_model_and_compiler(capsys, monkeypatch, command):
+    text = help_text(capsys, monkeypatch, command)
+    for name, factory in EXAMPLES.items():
+        assert f"{name}: {first_sentence(factory)}" in text, name
+    for name in COST_MODELS:  # a KeyError: a cost model the help does not describe
+        assert f"{name}: {COST_MODEL_TEXT[name]}" in text, name
+    if command in ("train", "bench", "pareto"):
+        for name in COMPILERS:
+            assert f"{name}: {COMPILER_TEXT[name]}" in text, name
 
 
 @pytest.mark.parametrize("command", ["inspect", "plan", "train", "pareto"])
