@@ -1,7 +1,8 @@
 """Side-by-side benchmark: remat against torch's partitioner, checkpointing by hand, and eager.
 
 ``run_bench`` builds a fresh model (the factory's own seed, so the same weights) for every
-configuration and measures one training step (forward + backward) of each, in one process:
+configuration and measures one training step (forward + backward) of each, in one process
+(``remat.tools.methods`` makes each method's model):
 
 - ``eager``: plain PyTorch, which stores everything the backward needs;
 - ``checkpoint``: ``torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)``
@@ -28,7 +29,7 @@ a partition that recomputes dropout with a fresh mask trains on wrong gradients,
 point does not count as a point of the curve (``dominates``). Inductor draws random numbers
 its own way, so with ``compiler="inductor"`` on a random step (eager's gradients depend on
 the seed) torch's and remat's rows are compared with plain ``torch.compile``'s instead
-(``grad_reference``).
+(``grad_reference``; ``remat.tools.grads``).
 Then ``repeat`` timed rounds, each running one step of every configuration in turn (the
 first round in table order, later ones shuffled with a fixed seed), so that drift of the
 machine hits all alike and no configuration always follows the same one; a row's
@@ -38,12 +39,12 @@ that median (the table's ``+-``): on a shared machine, differences below it are 
 
 from __future__ import annotations
 
-import math
+import contextlib
 import random
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,29 +54,25 @@ from torch import nn
 from remat import memory
 from remat.costs import COMPILERS, COST_MODELS
 from remat.errors import InfeasibleBudget, user_error
-from remat.passes._torch_compat import (
-    aot_autograd,
-    boxed,
-    compile_caches_off,
-    dynamo_config,
-    inductor,
-    min_cut_partition,
-)
+from remat.passes._torch_compat import compile_caches_off, dynamo_config
 from remat.solvers import format_bytes
 from remat.solvers.solve import with_time_limit
 from remat.tools import examples
-from remat.tools.rows import GRAD_TOLERANCE, Row
+from remat.tools.grads import GRAD_SEED, grad_error, gradients, reference_gradients
+from remat.tools.methods import Skip, model_for
+from remat.tools.rows import Row
 
 __all__ = ["METHODS", "pareto_budgets", "run_bench"]
 
 METHODS = ("eager", "checkpoint", "torch", "remat")
-GRAD_SEED = 1234  # every configuration's first step draws from this seed
 
 Progress = Callable[[str], None]
 
 
 @dataclass
 class _Config:
+    """One configuration: its row, and what its steps call and on what."""
+
     row: Row
     model: nn.Module | None = None  # what is called
     params: nn.Module | None = None  # whose gradients are reset between steps
@@ -114,14 +111,45 @@ def run_bench(
     ``torch.set_num_threads`` on CPU for the run (``None``: leave it). Rows come in the order
     eager, checkpoint, torch by budget, remat by cost model, solver, then budget (one
     ``cost_model`` name or several: each plans its own remat rows). ``time_limit``: CP-SAT's
-    limit (deterministic seconds) for the ``auto`` and ``cpsat`` rows, else its default.
+    limit (deterministic seconds) for the rows of solvers that run it (``CPSAT_SOLVERS``),
+    else its default.
     ``at_torch_peaks``: also a remat row (first solver and cost model) at each measured peak
     of a torch row with eager's gradients, as an absolute budget: the two curves at equal
     memory, where fraction budgets mean different things.
     ``device`` is passed to the factory as ``device=...``; ``None`` passes nothing and
     measures where the factory's model lives.
     """
-    methods = tuple(methods)
+    methods, cost_models = tuple(methods), _cost_model_names(cost_model)
+    _check_arguments(methods, budgets, repeat, compiler, cost_model, time_limit)
+    say = progress or (lambda _message: None)
+    kwargs, dev = _factory_kwargs(model_spec, size_kwargs, device)
+    configs = _configs(methods, budgets, solvers, compiler, cost_models, time_limit)
+    # Every configuration compiles the same forward code object; keep them all cached.
+    limits = {"recompile_limit": 4 * len(configs) + 8, "accumulated_recompile_limit": 4096}
+    with _measuring(dev, threads):
+        references = reference_gradients(model_spec, kwargs, compiler, methods, say)
+        with dynamo_config.patch(**limits):
+            _prepare_all(configs, model_spec, kwargs, dev, references, say)
+            if at_torch_peaks:
+                peaks = _torch_peaks(configs)
+                more = _configs(
+                    ("remat",), peaks, solvers[:1], compiler, cost_models[:1], time_limit
+                )
+                _prepare_all(more, model_spec, kwargs, dev, references, say, "at torch's peaks ")
+                configs += more
+            _time_rounds([c for c in configs if c.ok], repeat, dev, say)
+    _summarise([c.row for c in configs])
+    return [c.row for c in configs]
+
+
+def _cost_model_names(cost_model: str | Sequence[str]) -> tuple[str, ...]:
+    """One cost model's name or several, as a tuple."""
+    return (cost_model,) if isinstance(cost_model, str) else tuple(cost_model)
+
+
+def _check_arguments(methods, budgets, repeat, compiler, cost_model, time_limit) -> None:
+    """``ValueError`` for an argument no configuration could run with, before minutes of
+    measuring."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
@@ -129,7 +157,7 @@ def run_bench(
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     if compiler not in COMPILERS:
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-    cost_models = (cost_model,) if isinstance(cost_model, str) else tuple(cost_model)
+    cost_models = _cost_model_names(cost_model)
     bad = [c for c in cost_models if c not in COST_MODELS]
     if bad or not cost_models:
         raise ValueError(f"cost models must be some of {list(COST_MODELS)}, got {cost_model!r}")
@@ -138,69 +166,66 @@ def run_bench(
     for b in budgets:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0:
             raise ValueError(f"budgets must be numbers >= 0 (fractions or bytes), got {b!r}")
-    say = progress or (lambda _message: None)
+
+
+def _factory_kwargs(spec, size_kwargs, device) -> tuple[dict[str, Any], torch.device]:
+    """The factory's keyword arguments (``device`` among them unless it is ``None``) and
+    the device the steps run on: ``device``, or where the factory's model lives (a
+    factory need not take ``device``)."""
     kwargs = dict(size_kwargs or {})
     if device is not None:
         dev = kwargs["device"] = torch.device(device)
-    else:  # the factory's default device (a factory need not take ``device``)
-        dev = _device_of(examples.load(model_spec, **kwargs)[0])
+    else:
+        dev = _device_of(examples.load(spec, **kwargs)[0])
+    return kwargs, dev
 
-    configs = _configs(methods, budgets, solvers, compiler, cost_models, time_limit)
+
+@contextlib.contextmanager
+def _measuring(dev: torch.device, threads: int | None) -> Iterator[None]:
+    """``threads`` CPU threads while measuring (stable timings), the old count after; and
+    dynamo's caches emptied before and after, so no step compiled elsewhere is reused."""
     old_threads = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)
-    # Every configuration compiles the same forward code object; keep them all cached.
-    limits = {"recompile_limit": 4 * len(configs) + 8, "accumulated_recompile_limit": 4096}
     torch.compiler.reset()
     try:
-        # the references on as many threads as the rows: a matmul's sums may be ordered
-        # by the thread count (on one CPU eager's own row was 2e-8 off a 2-thread one)
-        references = {"eager": _eager_gradients(model_spec, kwargs)}
-        if compiler == "inductor" and {"torch", "remat"} & set(methods):
-            if _is_random(model_spec, kwargs, references["eager"]):
-                say(
-                    "the step is random: one plain torch.compile step, the inductor rows' reference"
-                )
-                references["torch.compile"] = _compiled_gradients(model_spec, kwargs)
-        with dynamo_config.patch(**limits):
-            for k, cfg in enumerate(configs, 1):
-                tag = f"[{k}/{len(configs)}]"
-                _prepare(cfg, model_spec, kwargs, dev, references, say, tag)
-            if at_torch_peaks:
-                peaks = _torch_peaks(configs)
-                more = _configs(
-                    ("remat",), peaks, solvers[:1], compiler, cost_models[:1], time_limit
-                )
-                for k, cfg in enumerate(more, 1):
-                    tag = f"[at torch's peaks {k}/{len(more)}]"
-                    _prepare(cfg, model_spec, kwargs, dev, references, say, tag)
-                configs += more
-            live = [c for c in configs if c.ok]
-            for r in range(repeat):
-                say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
-                for cfg in _round_order(live, r):
-                    cfg.row.times.append(_timed_step(cfg, dev))
+        yield
     finally:
         torch.compiler.reset()
         if threads is not None and dev.type == "cpu":
             torch.set_num_threads(old_threads)
 
-    eager_time = next((c.row.step_s for c in configs if c.row.method == "eager"), None)
-    for cfg in configs:
-        row = cfg.row
+
+def _prepare_all(configs, spec, kwargs, dev, references, say: Progress, where: str = "") -> None:
+    """``_prepare`` each configuration in turn, its progress lines tagged ``[where k/n]``."""
+    for k, cfg in enumerate(configs, 1):
+        _prepare(cfg, spec, kwargs, dev, references, say, f"[{where}{k}/{len(configs)}]")
+
+
+def _time_rounds(live: list[_Config], repeat: int, dev: torch.device, say: Progress) -> None:
+    """``repeat`` rounds of one timed step of every configuration (``_round_order``), so
+    that drift of the machine hits all alike; each step's seconds go to its row's
+    ``times``."""
+    for r in range(repeat):
+        say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
+        for cfg in _round_order(live, r):
+            cfg.row.times.append(_timed_step(cfg, dev))
+
+
+def _summarise(rows: list[Row]) -> None:
+    """Each timed row's median step time and spread, its first step's time less one
+    step's (the compiling), and its overhead against eager's median."""
+    for row in rows:
         if not row.times:
             continue
         row.step_s = statistics.median(row.times)
         row.spread = _spread(row.times)
         if row.compile_s is not None:
             row.compile_s = max(row.compile_s - row.step_s, 0.0)
-        if row.method == "eager":
-            eager_time = row.step_s
-    for cfg in configs:
-        row = cfg.row
+    eager_time = next((r.step_s for r in rows if r.method == "eager"), None)
+    for row in rows:
         if row.step_s is not None and eager_time:
             row.overhead = row.step_s / eager_time - 1
-    return [c.row for c in configs]
 
 
 def _torch_peaks(configs: list[_Config]) -> list[int]:
@@ -252,80 +277,77 @@ def _configs(
 def _prepare(cfg: _Config, spec, kwargs, dev, references, say: Progress, tag: str) -> None:
     """Build, compile (warm-up step, its gradients compared with a reference's: eager's, or
     plain ``torch.compile``'s for compiled rows when there is one) and measure the peak of
-    one configuration."""
+    one configuration. One that fails is a row saying why, and is not timed."""
     row = cfg.row
     say(f"{tag} {row.label}: building and compiling...")
     try:
-        model, inputs = examples.load(spec, **kwargs)
-        cfg.params, cfg.inputs = model, inputs
-        row.graphs = None
-        if row.method == "eager":
-            cfg.model = model
-        elif row.method == "checkpoint":
-            blocks = getattr(model, "blocks", None)
-            if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
-                raise _Skip("the model has no `blocks` (nn.ModuleList or nn.Sequential)")
-            for i in range(len(blocks)):
-                blocks[i] = _Checkpointed(blocks[i])
-            cfg.model = model
-        elif row.method == "torch":
-            if isinstance(row.budget, int) and not 0 <= row.budget <= 1:
-                raise _Skip("torch's activation_memory_budget is a fraction in [0, 1]")
-            cfg.model = _torch_compiled(model, row.compiler)
-        else:
-            import remat
-
-            if row.budget == 0:
-                raise _Skip("remat budgets are fractions in (0, 1] or bytes, not 0")
-            budget = float(row.budget) if 0 < row.budget <= 1 else int(row.budget)
-            cfg.model = remat.optimize(
-                model, budget=budget, solver=cfg.solver, compiler=row.compiler,
-                cost_model=row.cost_model,
-            )  # fmt: skip
-            cfg.report = cfg.model.remat
-
-        start = time.perf_counter()
-        torch.manual_seed(GRAD_SEED)
-        with compile_caches_off(row.budget if row.method == "torch" else None):
-            _step(cfg)
-        _sync(dev)
-        row.compile_s = time.perf_counter() - start
-        compiled = row.method in ("torch", "remat") and "torch.compile" in references
-        row.grad_reference = "torch.compile" if compiled else "eager"
-        row.grad_error = _grad_error(_gradients(cfg.params), references[row.grad_reference])
-        _zero_grad(cfg)
-        row.peak_bytes = memory.peak(_step, cfg, device=dev).peak_bytes
-        _zero_grad(cfg)
+        _build(cfg, spec, kwargs)
+        _first_step(cfg, dev, references)
+        _peak_step(cfg, dev)
         if cfg.report is not None:
             _remat_columns(row, cfg.report.report())
-    except _Skip as e:
-        row.error = str(e)
-    except InfeasibleBudget as e:
-        row.error = _infeasible(e)
     except Exception as e:  # a failed configuration is a row, not the end of the benchmark
-        user = user_error(e)
-        if isinstance(user, InfeasibleBudget):
-            row.error = _infeasible(user)
-        elif user is not None:
-            row.error = " ".join(str(user).split())
-        else:
-            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            say("".join(traceback.format_exception(e, limit=-3)).rstrip())
+        row.error = _failure(e, say)
     if row.error is not None:
         cfg.model = None
         say(f"{tag} {row.label}: not run: {row.error}")
-    else:
-        extra = ""
-        if row.predicted_peak is not None:
-            extra = f", predicted {format_bytes(row.predicted_peak)}"
-        say(
-            f"{tag} {row.label}: peak {format_bytes(row.peak_bytes)}{extra}, "
-            f"first step {row.compile_s:.2f}s"
-        )
+        return
+    extra = ""
+    if row.predicted_peak is not None:
+        extra = f", predicted {format_bytes(row.predicted_peak)}"
+    say(
+        f"{tag} {row.label}: peak {format_bytes(row.peak_bytes)}{extra}, "
+        f"first step {row.compile_s:.2f}s"
+    )
 
 
-class _Skip(Exception):
-    pass
+def _build(cfg: _Config, spec, kwargs) -> None:
+    """A fresh model from the factory (its own seed: every configuration starts from the
+    same weights), made into what the configuration's method calls."""
+    model, inputs = examples.load(spec, **kwargs)
+    cfg.params, cfg.inputs = model, inputs
+    cfg.model = model_for(cfg.row, model, cfg.solver)
+    if cfg.row.method == "remat":
+        cfg.report = cfg.model.remat
+
+
+def _first_step(cfg: _Config, dev: torch.device, references) -> None:
+    """The warm-up step, which compiles: its wall time (``compile_s``; ``_summarise``
+    takes a step off) and its gradients against the reference's from the same seed
+    (``grad_error``)."""
+    row = cfg.row
+    start = time.perf_counter()
+    torch.manual_seed(GRAD_SEED)
+    with compile_caches_off(row.budget if row.method == "torch" else None):
+        _step(cfg)
+    _sync(dev)
+    row.compile_s = time.perf_counter() - start
+    compiled = row.method in ("torch", "remat") and "torch.compile" in references
+    row.grad_reference = "torch.compile" if compiled else "eager"
+    row.grad_error = grad_error(gradients(cfg.params), references[row.grad_reference])
+    _zero_grad(cfg)
+
+
+def _peak_step(cfg: _Config, dev: torch.device) -> None:
+    """The peak of one step (``remat.memory.peak``), its gradients unset before and after,
+    so allocating them counts."""
+    cfg.row.peak_bytes = memory.peak(_step, cfg, device=dev).peak_bytes
+    _zero_grad(cfg)
+
+
+def _failure(e: Exception, say: Progress) -> str:
+    """A failed configuration's error column: why it was skipped, remat's minimum for an
+    infeasible budget, a user error's message, or a bug's type and message (its last
+    frames go to ``say``)."""
+    if isinstance(e, Skip):
+        return str(e)
+    user = e if isinstance(e, InfeasibleBudget) else user_error(e)
+    if isinstance(user, InfeasibleBudget):
+        return _infeasible(user)
+    if user is not None:
+        return " ".join(str(user).split())
+    say("".join(traceback.format_exception(e, limit=-3)).rstrip())
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _infeasible(e: InfeasibleBudget) -> str:
@@ -335,83 +357,9 @@ def _infeasible(e: InfeasibleBudget) -> str:
     )
 
 
-class _Checkpointed(nn.Module):
-    """``torch.utils.checkpoint`` around one block (non-reentrant, any arguments)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
-def _torch_compiled(model: nn.Module, compiler: str) -> nn.Module:
-    if compiler == "inductor":
-        # Inductor partitions with min-cut. A backend object of its own per configuration:
-        # with the shared "inductor" one dynamo reused the first budget's compiled step for
-        # every later budget (same code, guards passing), so all measured alike.
-        def backend(gm, example_inputs):
-            return inductor(gm, example_inputs)
-
-        return torch.compile(model, backend=backend, dynamic=False)
-
-    def plain(gm, _example_inputs):  # fx run as Python, as remat's eager compiler does
-        return boxed(gm)
-
-    backend = aot_autograd(fw_compiler=plain, bw_compiler=plain, partition_fn=min_cut_partition)
-    return torch.compile(model, backend=backend, dynamic=False)
-
-
 def _step(cfg: _Config) -> None:
     loss = cfg.model(*cfg.inputs)
     loss.backward()
-
-
-def _eager_gradients(spec, kwargs, seed: int = GRAD_SEED) -> list[torch.Tensor]:
-    """Eager's gradients of one step from ``seed``; from ``GRAD_SEED``, what every
-    configuration must get."""
-    model, inputs = examples.load(spec, **kwargs)
-    torch.manual_seed(seed)
-    model(*inputs).backward()
-    return _gradients(model)
-
-
-def _is_random(spec, kwargs, reference: list[torch.Tensor]) -> bool:
-    """Whether the step's gradients depend on the seed (dropout, other random ops)."""
-    error = _grad_error(_eager_gradients(spec, kwargs, GRAD_SEED + 1), reference)
-    return error is not None and error > GRAD_TOLERANCE
-
-
-def _compiled_gradients(spec, kwargs) -> list[torch.Tensor]:
-    """Plain ``torch.compile``'s (inductor) gradients of one step from ``GRAD_SEED``: the
-    reference of inductor rows when the step is random. Inductor draws random numbers its
-    own way (seeded, so a recompute replays them), so no inductor row can match eager's
-    masks; torch's and remat's partitions must match this instead."""
-    model, inputs = examples.load(spec, **kwargs)
-    compiled = _torch_compiled(model, "inductor")
-    torch.manual_seed(GRAD_SEED)
-    with compile_caches_off():
-        compiled(*inputs).backward()
-    return _gradients(model)
-
-
-def _gradients(model: nn.Module) -> list[torch.Tensor]:
-    """Gradients in parameter order (wrapping blocks for checkpointing keeps the order)."""
-    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-
-
-def _grad_error(grads: list[torch.Tensor], reference: list[torch.Tensor] | None) -> float | None:
-    if not reference:
-        return None
-    if len(grads) != len(reference) or any(
-        g.shape != r.shape for g, r in zip(grads, reference, strict=True)
-    ):
-        return math.inf  # other parameters got gradients: as wrong as it gets
-    scale = max(float(r.abs().max()) for r in reference) or 1.0
-    return max(float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True)) / scale
 
 
 def _zero_grad(cfg: _Config) -> None:
@@ -491,6 +439,3 @@ def pareto_budgets(
     hi, lo = store_all(problem).peak, min_peak_plan(problem).peak
     values = sorted({round(hi - (hi - lo) * k / (points - 1)) for k in range(points)})
     return values[::-1], {"store_all": hi, "minimum": lo}
-
-
-# ----------------------------------------------------------------------------- output

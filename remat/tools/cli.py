@@ -24,7 +24,7 @@ from typing import Any
 
 from remat.costs import COMPILERS, COST_MODELS
 from remat.errors import RematError, user_error
-from remat.solvers import SOLVERS, Budget
+from remat.solvers import Budget
 from remat.tools.commands import (
     EXIT_USAGE,
     Progress,
@@ -36,14 +36,29 @@ from remat.tools.commands import (
     cmd_train,
     one_line,
 )
+from remat.tools.helptext import (
+    COMPILER_TEXT,
+    COST_MODEL_TEXT,
+    HelpFormatter,
+    choice_lines,
+    model_help,
+    solver_help,
+    solver_names,
+    time_limit_help,
+)
 
 __all__ = ["main"]
 
 
 SORT_KEYS = ("order", "bytes", "time")
+DEFAULT_COST_MODEL = "roofline"  # an estimate: planning starts without timing every op
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line instead of usage + message
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
@@ -95,39 +110,37 @@ _non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
 _float = _number(float, lambda v: v > 0, "a positive number")
 
 
-def _solver_names() -> list[str]:
-    return ["auto", *sorted(name for name in SOLVERS if name != "auto")]
+# ----------------------------------------------------------------------------- parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``remat`` parser: options shared by several commands are parent parsers."""
     from remat import __version__
-    from remat.tools.examples import EXAMPLES
 
-    builtins = ", ".join(sorted(EXAMPLES))
     parser = _Parser(
         prog="remat",
         description="Fit a PyTorch training step in a memory budget by recomputing activations.",
         epilog="Run 'remat COMMAND --help' for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"remat {__version__}")
-    shared = _shared_options(builtins)
+    shared = {
+        "model": _model_options(),
+        "cost_model": _cost_model_option(),
+        "solver": _solver_option(),
+        "limit": _time_limit_option(),
+        "output": _measuring_options(),
+    }
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in (_add_inspect, _add_plan, _add_train, _add_bench, _add_pareto):
         add(sub, shared)
     return parser
 
 
-def _shared_options(builtins: str) -> dict[str, argparse.ArgumentParser]:
-    """Parent parsers: MODEL and its loading, the cost model, the solver, CP-SAT's limit,
-    and the measuring options of ``bench`` and ``pareto``."""
+def _model_options() -> argparse.ArgumentParser:
+    """Parent parser: MODEL and how it is built (its factory's sizes, device, seed), and
+    --quiet."""
     model = _Parser(add_help=False)
-    model.add_argument(
-        "model",
-        metavar="MODEL",
-        help=f"a built-in example ({builtins}) or package.module:factory, a function "
-        "returning (model, example_inputs) whose model(*example_inputs) is a scalar loss",
-    )
+    model.add_argument("model", metavar="MODEL", help=model_help())
     model.add_argument(
         "--size",
         metavar="KEY=VALUE",
@@ -145,42 +158,58 @@ def _shared_options(builtins: str) -> dict[str, argparse.ArgumentParser]:
     )
     model.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default 0)")
     model.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    # Not part of ``model``: ``bench`` takes a list instead. (Overriding it there with
-    # conflict_handler="resolve" stripped the option from the shared action, and every
-    # command created after ``bench`` refused --cost-model.)
+    return model
+
+
+def _cost_model_option() -> argparse.ArgumentParser:
+    """Parent parser: one --cost-model. Not part of ``_model_options``: ``bench`` takes a
+    list instead. (Overriding it there with conflict_handler="resolve" stripped the option
+    from the shared action, and every command created after ``bench`` refused
+    --cost-model.)"""
     cost_model = _Parser(add_help=False)
     cost_model.add_argument(
         "--cost-model",
         choices=COST_MODELS,
-        default="roofline",
-        help="per-op time: roofline estimate from flops and bytes (default) or measured by "
-        "running each op on the device (slower to plan)",
+        default=DEFAULT_COST_MODEL,
+        help=choice_lines("per-op time", COST_MODEL_TEXT, COST_MODELS, DEFAULT_COST_MODEL),
     )
+    return cost_model
+
+
+def _solver_option() -> argparse.ArgumentParser:
+    """Parent parser: --solver, one of ``SOLVERS``, each described by its docstring."""
     solver = _Parser(add_help=False)
     solver.add_argument(
-        "--solver",
-        choices=_solver_names(),
-        default="auto",
-        help="planning algorithm (default auto: CP-SAT from the greedy plan)",
+        "--solver", choices=solver_names(), default=solver_names()[0], help=solver_help()
     )
+    return solver
+
+
+def _time_limit_option() -> argparse.ArgumentParser:
+    """Parent parser: --time-limit, CP-SAT's."""
     limit = _Parser(add_help=False)
     limit.add_argument(
         "--time-limit",
         type=_number(float, lambda v: v > 0, "a positive number of seconds"),
         default=None,
-        help="CP-SAT's whole limit per graph, in its deterministic seconds (default 2; beyond "
-        "4,000 nodes, nodes / 2,000; and up to 8 more where the plan is not proven within 1%% "
-        "by then); for the solvers auto and cpsat. Wall times and gaps: "
-        "docs/benchmarks.md#solvers-at-scale",
+        help=time_limit_help(),
     )
+    return limit
 
+
+def _measuring_options() -> argparse.ArgumentParser:
+    """Parent parser: how ``bench`` and ``pareto`` measure, and the files they write."""
     output = _Parser(add_help=False)
     output.add_argument(
         "--compiler",
         choices=COMPILERS,
-        default="eager",
-        help="compiler of the compiled programs, for torch's partitioner and remat alike: "
-        "plain fx (default) or inductor",
+        default=COMPILERS[0],
+        help=choice_lines(
+            "what runs the compiled programs, torch's partitioner's and remat's alike",
+            COMPILER_TEXT,
+            COMPILERS,
+            COMPILERS[0],
+        ),
     )
     output.add_argument(
         "--repeat",
@@ -202,14 +231,7 @@ def _shared_options(builtins: str) -> dict[str, argparse.ArgumentParser]:
         metavar="FILE.png",
         help="also plot peak memory against step time (needs matplotlib: the 'plot' extra)",
     )
-
-    return {
-        "model": model,
-        "cost_model": cost_model,
-        "solver": solver,
-        "limit": limit,
-        "output": output,
-    }
+    return output
 
 
 def _add_inspect(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
@@ -293,9 +315,10 @@ def _add_train(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     train.add_argument(
         "--compiler",
         choices=COMPILERS,
-        default="eager",
-        help="how remat's forward/backward programs run: plain fx (default, the plan's exact "
-        "schedule) or inductor (fused kernels; experimental)",
+        default=COMPILERS[0],
+        help=choice_lines(
+            "how remat's forward/backward programs run", COMPILER_TEXT, COMPILERS, COMPILERS[0]
+        ),
     )
     train.add_argument(
         "--repeat",
@@ -336,18 +359,22 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     bench.add_argument(
         "--solvers",
         type=_solver_list,
-        default="auto",
+        default=solver_names()[0],
         metavar="S,S,...",
-        help=f"remat solvers, comma-separated, from {', '.join(_solver_names())} (default auto)",
+        help=f"remat solvers, comma-separated, from {', '.join(solver_names())} (default "
+        f"{solver_names()[0]}; 'remat plan --help' describes them)",
     )
     bench.add_argument(
         "--cost-model",
         type=_cost_model_list,
-        default="roofline",
+        default=DEFAULT_COST_MODEL,
         metavar="C,C,...",
-        help="remat's per-op time, comma-separated: roofline (default, an estimate from "
-        "flops and bytes) and/or profile (each distinct op timed on the device); each one "
-        "named plans its own remat rows",
+        help=choice_lines(
+            "remat's per-op time, comma-separated, each one named planning its own remat rows",
+            COST_MODEL_TEXT,
+            COST_MODELS,
+            DEFAULT_COST_MODEL,
+        ),
     )
     bench.set_defaults(run=cmd_bench)
 
@@ -408,9 +435,9 @@ def _budget_list(text: str) -> list[float | int]:
 def _solver_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",")]
     for name in names:
-        if name not in _solver_names():
+        if name not in solver_names():
             raise argparse.ArgumentTypeError(
-                f"unknown solver {name!r}; choose from {', '.join(_solver_names())}"
+                f"unknown solver {name!r}; choose from {', '.join(solver_names())}"
             )
     return list(dict.fromkeys(names))
 
@@ -448,20 +475,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"remat {args.command}: error: {one_line(str(user))}", file=sys.stderr)
         return EXIT_USAGE
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-# ----------------------------------------------------------------------------- inspect
-
-
-# ----------------------------------------------------------------------------- plan
-
-
-# ----------------------------------------------------------------------------- train
-
-
-# ----------------------------------------------------------------------------- bench
-
-

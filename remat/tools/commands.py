@@ -5,6 +5,7 @@ one line."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from remat.solvers import format_bytes
 from remat.solvers.solve import CPSAT_SOLVERS, with_time_limit
 from remat.tools import bench, examples
+from remat.tools.helptext import listed
 from remat.tools.output import dot, format_seconds, inspect_table, plan_table, train_table
 from remat.tools.rows import (
     dominates,
@@ -26,6 +28,7 @@ from remat.tools.rows import (
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
 
 class UsageError(Exception):
     """A mistake on the command line: reported as one line, exit status 2."""
@@ -101,17 +104,16 @@ def _solver(args):
 def _check_time_limit(args, solvers: list[str]) -> None:
     """--time-limit is CP-SAT's: refused unless some solver named runs it."""
     if args.time_limit is not None and not set(CPSAT_SOLVERS) & set(solvers):
-        names = ", ".join(solvers)
-        raise UsageError(f"--time-limit applies to the solvers auto and cpsat, not {names}")
+        raise UsageError(
+            f"--time-limit applies to the solvers {listed(CPSAT_SOLVERS)}, not {', '.join(solvers)}"
+        )
 
 
 def _plan(args, model, inputs, budget, solver, progress: Progress):
     import remat
 
     progress(f"tracing {args.model} (dynamo + AOTAutograd) and planning (budget {budget})...")
-    return remat.plan(
-        model, inputs, budget=budget, solver=solver, cost_model=args.cost_model
-    )
+    return remat.plan(model, inputs, budget=budget, solver=solver, cost_model=args.cost_model)
 
 
 def cmd_inspect(args, progress: Progress) -> int:
@@ -151,16 +153,41 @@ def cmd_plan(args, progress: Progress) -> int:
 
 
 def cmd_train(args, progress: Progress) -> int:
+    """``remat train``: SGD steps of remat and of eager side by side, one measured step of
+    each, the plan and the comparison; status 1 where the losses differ although no random
+    op explains it."""
     import torch
-
-    import remat
-    from remat import costs, memory
-    from remat.passes.rng import is_replay_state
 
     model, inputs = _load(args, progress)
     eager = copy.deepcopy(model)
+    optimized = _optimize(args, model)
+    runs = {
+        "eager": (eager, torch.optim.SGD(eager.parameters(), lr=args.lr)),
+        "remat": (optimized, torch.optim.SGD(model.parameters(), lr=args.lr)),
+    }
+    losses = _train(args, runs, inputs, progress)
+    report = optimized.remat.report()
+    peaks, times = _measure(args, runs, inputs, _device_of(model), progress)
+    print(
+        f"plan ({args.model}, budget {args.budget}, solver {args.solver}, compiler {args.compiler})"
+    )
+    print(plan_table(report, args.budget))
+    print()
+    print(train_table(args, report, peaks, times, losses))
+    print()
+    verdict, ok = _loss_verdict(losses, _draws_unreplayed_random(report))
+    print(_peak_line(report, peaks))
+    print(f"step time: remat {times['remat'] / max(times['eager'], 1e-12):.2f}x eager's")
+    print(verdict)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def _optimize(args, model):
+    """``remat.optimize`` with the command's options; a ``ValueError`` is a usage error."""
+    import remat
+
     try:
-        optimized = remat.optimize(
+        return remat.optimize(
             model,
             args.budget,
             solver=_solver(args),
@@ -169,22 +196,25 @@ def cmd_train(args, progress: Progress) -> int:
         )
     except ValueError as e:
         raise UsageError(one_line(str(e))) from None
-    runs = {
-        "eager": (eager, torch.optim.SGD(eager.parameters(), lr=args.lr)),
-        "remat": (optimized, torch.optim.SGD(model.parameters(), lr=args.lr)),
-    }
-    device = _device_of(model)
 
-    def forward_backward(m):
-        loss = m(*inputs)
-        loss.backward()
-        return loss.detach()
 
-    def step(m, opt):
-        opt.zero_grad(set_to_none=True)
-        loss = forward_backward(m)
-        opt.step()
-        return loss
+def _forward_backward(model, inputs):
+    loss = model(*inputs)
+    loss.backward()
+    return loss.detach()
+
+
+def _sgd_step(model, opt, inputs):
+    opt.zero_grad(set_to_none=True)
+    loss = _forward_backward(model, inputs)
+    opt.step()
+    return loss
+
+
+def _train(args, runs: dict, inputs, progress: Progress) -> dict[str, list[float]]:
+    """``--steps`` SGD steps of every run in turn, each step from the same seed (the same
+    dropout masks for both); each run's losses."""
+    import torch
 
     losses: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(args.steps):
@@ -195,13 +225,20 @@ def cmd_train(args, progress: Progress) -> int:
                     f"{args.budget}, rewrite)..."
                 )
             torch.manual_seed(args.seed + i)  # same dropout masks for both, step by step
-            losses[name].append(step(m, opt).item())
+            losses[name].append(_sgd_step(m, opt, inputs).item())
         progress(
             f"step {i + 1}/{args.steps}: loss eager {losses['eager'][-1]:.6f}, "
             f"remat {losses['remat'][-1]:.6f}"
         )
+    return losses
 
-    report = optimized.remat.report()
+
+def _measure(args, runs: dict, inputs, device, progress: Progress) -> tuple[dict, dict]:
+    """Each run's peak memory of one forward+backward and median time of a step."""
+    import torch
+
+    from remat import memory
+
     peaks, times = {}, {}
     for name, (m, opt) in runs.items():
         progress(
@@ -210,37 +247,41 @@ def cmd_train(args, progress: Progress) -> int:
         )
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(args.seed)
-        peaks[name] = memory.peak(forward_backward, m, device=device).peak_bytes
+        peaks[name] = memory.peak(_forward_backward, m, inputs, device=device).peak_bytes
         opt.zero_grad(set_to_none=True)
         times[name] = memory.step_time(
-            lambda m=m, opt=opt: step(m, opt), warmup=1, repeat=args.repeat, device=device
+            functools.partial(_sgd_step, m, opt, inputs),
+            warmup=1,
+            repeat=args.repeat,
+            device=device,
         )
-    # Replayed dropout draws eager's masks; only other random ops may draw differently.
-    random = any(
+    return peaks, times
+
+
+def _draws_unreplayed_random(report) -> bool:
+    """Whether a graph has a random op remat does not replay: replayed dropout draws
+    eager's masks; only other random ops may draw differently."""
+    from remat import costs
+    from remat.passes.rng import is_replay_state
+
+    return any(
         costs.is_random(n) and not is_replay_state(n)
         for g in report.graphs
         for n in g.extracted.fx_nodes
     )
 
-    print(
-        f"plan ({args.model}, budget {args.budget}, solver {args.solver}, compiler {args.compiler})"
-    )
-    print(plan_table(report, args.budget))
-    print()
-    print(train_table(args, report, peaks, times, losses))
-    print()
-    verdict, ok = _loss_verdict(losses, random)
+
+def _peak_line(report, peaks: dict) -> str:
+    """remat's measured peak against eager's, and whether it kept the budget (where the
+    graphs share one)."""
     ratio = peaks["remat"] / max(peaks["eager"], 1)
     budgets = sorted({g.limit for g in report.graphs})
     within = all(peaks["remat"] <= b for b in budgets) if len(budgets) == 1 else None
-    print(
+    return (
         f"measured peak: remat {format_bytes(peaks['remat'])} = {ratio:.1%} of eager's "
         f"{format_bytes(peaks['eager'])}"
         + ("" if within is None else f"; within the budget: {'yes' if within else 'NO'}")
     )
-    print(f"step time: remat {times['remat'] / max(times['eager'], 1e-12):.2f}x eager's")
-    print(verdict)
-    return EXIT_OK if ok else EXIT_FAILED
 
 
 def _loss_verdict(losses: dict[str, list[float]], random: bool) -> tuple[str, bool]:

@@ -52,7 +52,7 @@ class Row:
     status: str | None = None  # remat: plan status (optimal / feasible / heuristic)
     graphs: int | None = None
     grad_error: float | None = None  # max |grad - reference's| / max |reference's|, same seed
-    grad_reference: str | None = None  # "eager", or "torch.compile" (see ``_prepare``)
+    grad_reference: str | None = None  # "eager", or "torch.compile" (``bench._first_step``)
     error: str | None = None
     times: list[float] = field(default_factory=list, repr=False)
 
