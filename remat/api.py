@@ -96,22 +96,56 @@ def optimize(
 ) -> nn.Module | Callable:
     """Return ``model`` compiled so each training step peaks under ``budget``.
 
-    ``model`` is an ``nn.Module`` or, as ``torch.compile`` takes, a function: a function
-    that computes the loss (``lambda x, y: F.cross_entropy(model(x), y)``) puts the loss
-    in the plan. A module's result shares everything with ``model`` but its compiled
-    ``forward`` (parameters, buffers, submodules, ``state_dict`` keys, ``training``), so
-    an optimizer built on either trains both and ``model.eval()`` switches both.
-    Planning happens at the first call, like ``torch.compile``, and the whole step is
-    planned as one at the end of the first (``remat.steps``); ``result.remat.report()``
-    shows what was decided. Options not given come from ``remat.configure`` or ``REMAT_*``
-    variables (``remat.config``); ``cache`` is the plan cache on disk (``remat.cache``:
-    None for the default, on unless ``REMAT_CACHE=0``; False off; a folder).
+    A module's result shares everything with ``model`` but its compiled ``forward``
+    (parameters, buffers, submodules, ``state_dict`` keys, ``training``), so an optimizer
+    built on either trains both and ``model.eval()`` switches both. Planning happens at
+    the first call, like ``torch.compile``, and the whole step is planned as one at the
+    end of the first (``remat.runtime``); ``result.remat.report()`` shows what was decided.
 
-    ``on_failure``: where remat cannot compile the model (a bug, an op it cannot plan;
-    not a verdict such as ``InfeasibleBudget``, which is raised), ``"eager"`` runs it
-    eagerly from then on with one ``remat.errors.EagerFallback`` warning, ``"raise"``
-    raises. Only before any of remat's programs ran in that call: after, a rerun would
-    update buffers twice, so it raises either way.
+    Args:
+        model: an ``nn.Module`` whose forward returns the loss (or outputs a loss is
+            computed from), or a function, as ``torch.compile`` takes: a function that
+            computes the loss (``lambda x, y: F.cross_entropy(net(x), y)``) puts the loss
+            in the plan.
+        budget: the cap on the step's peak bytes above what is resident before it:
+            ``int`` bytes, a ``float`` fraction in (0, 1] of the store-all plan's peak, or
+            a string (``"2GiB"``, ``"40%"``); read once by ``Budget.parse``.
+        solver: a name from ``remat.solvers.SOLVERS`` (default ``"auto"``) or a callable
+            ``(problem, limit) -> Plan`` (``remat.solvers.Solver``).
+        compiler: what runs the planned programs: ``"eager"`` (default) or
+            ``"inductor"``.
+        cost_model: ``"roofline"`` (default) or ``"profile"`` (kernels timed).
+        cache: the plan cache on disk (``remat.cache``): None for the default (on unless
+            ``REMAT_CACHE=0``), False off, or a folder.
+        on_failure: where remat cannot compile the model (a bug, an op it cannot plan;
+            not a verdict such as ``InfeasibleBudget``, which is raised), ``"eager"``
+            runs it eagerly from then on with one ``remat.errors.EagerFallback`` warning,
+            ``"raise"`` raises. Only before any of remat's programs ran in that call:
+            after, a rerun would update buffers twice, so it raises either way.
+
+    Options not given come from ``remat.configure`` or ``REMAT_*`` variables
+    (``remat.config``).
+
+    Returns:
+        The compiled module (or function), with ``.remat``: the ``RematBackend`` whose
+        ``report()`` is a ``PlanReport``.
+
+    Raises:
+        InfeasibleBudget: at the end of the first step, where no plan of the step fits
+            the budget; it names the lowest budget remat found a plan under.
+        InvalidOption: a budget, solver, compiler or cost model it cannot read.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(),
+        ...                           torch.nn.Linear(256, 256), torch.nn.GELU())
+        >>> step = remat.optimize(lambda x: net(x).square().mean(), budget=0.8, cache=False)
+        >>> x = torch.randn(512, 256)
+        >>> for _ in range(2):
+        ...     step(x).backward()
+        >>> report = step.remat.report()
+        >>> report.predicted_peak <= report.steps[0].limit
+        True
     """
     if on_failure not in ON_FAILURE:
         raise InvalidOption(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
@@ -247,12 +281,34 @@ def plan(
     cache: CacheLike = None,
     example_kwargs: Mapping[str, Any] | None = None,
 ) -> PlanReport:
-    """Plan ``model``'s training step on ``example_inputs`` (and ``example_kwargs``: Hugging
-    Face models take ``input_ids=``, ``labels=``) without training it.
+    """Plan ``model``'s training step on ``example_inputs`` without training it.
 
     Runs one step: the forward, and a backward from its output (a loss; from a non-scalar
     output, a gradient of ones), so the step is planned as one. Buffers the forward
     updates (BatchNorm statistics) and the parameters' ``.grad`` are restored afterwards.
+
+    Args:
+        model: the module to plan.
+        example_inputs: positional inputs of one step.
+        budget, solver, cost_model, cache: as ``optimize`` takes them.
+        example_kwargs: keyword inputs of one step (Hugging Face models take
+            ``input_ids=``, ``labels=``).
+
+    Returns:
+        A ``PlanReport``: every graph's plan and the step's joint plan, printable as a
+        table.
+
+    Raises:
+        InfeasibleBudget: no plan of the step fits the budget; it names the lowest budget
+            remat found a plan under.
+
+    Example:
+        >>> import torch, remat
+        >>> layer = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+        >>> net = torch.nn.Sequential(*[layer() for _ in range(4)])
+        >>> report = remat.plan(net, (torch.randn(512, 256),), budget=0.8, cache=False)
+        >>> report.predicted_peak <= 0.8 * report.store_all_peak
+        True
     """
     rb = backend(budget, solver=solver, compiler="eager", cost_model=cost_model, cache=cache)
     traced = _compiled_copy(model, rb, on_failure="raise")  # a plan or an error, not eager
