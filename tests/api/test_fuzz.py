@@ -4,7 +4,7 @@ state, a plan within the budget and a measured peak equal to the predicted one.
 
 Profiles: ``fuzz-ci`` (the default, part of ``python -m pytest``: 200 models, derandomized
 so CI runs the same ones every time, about 4 minutes on two cores) and ``fuzz-long``
-(``REMAT_FUZZ=long python -m pytest tests/remat/test_fuzz.py``: 2,000 models, a new draw
+(``REMAT_FUZZ=long python -m pytest tests/api/test_fuzz.py``: 2,000 models, a new draw
 each run; ``--hypothesis-seed=N`` repeats one).
 """
 

@@ -17,7 +17,7 @@ import ranks  # noqa: E402
 WORLD = ranks.WORLD
 TOLERANCE = 1e-5  # float32 sums in another order (gloo's all-reduce, DDP's buckets)
 # gloo's bookkeeping lands on the measured thread by timing (0-212 B in most runs, 8,200 B
-# once: tests/remat/test_steps.py::test_ddp_bucket_graphs_are_one_step)
+# once: tests/runtime/test_steps.py::test_ddp_bucket_graphs_are_one_step)
 GLOO_NOISE = 16 * 1024
 
 
