@@ -1,0 +1,98 @@
+"""``remat.costs.device``: ``estimate_seconds``, the roofline, and the device specs it
+reads (the CPU's, the CUDA table, a GPU it does not know)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from sample_graphs import CPU, _calls, _fake_graph, aten
+
+from remat.costs import (
+    DeviceSpec,
+    aliased_input,
+    estimate_seconds,
+)
+
+# --------------------------------------------------------------------------------------
+# Roofline
+# --------------------------------------------------------------------------------------
+
+
+def test_estimate_seconds_positive_for_ops_zero_for_views(graphs):
+    for gm in graphs.values():
+        for n in gm.graph.nodes:
+            t = estimate_seconds(n, CPU)
+            if n.op != "call_function" or n.target is operator.getitem:
+                assert t == 0.0
+            elif aliased_input(n) is not None or n.target in (aten.split.Tensor, aten.unbind.int):
+                assert t == 0.0, n.format_node()
+            else:
+                assert t >= CPU.launch_overhead, n.format_node()
+
+
+def test_estimate_seconds_is_a_roofline():
+    def build(g, a, b, x):
+        return (
+            g.call_function(aten.mm.default, (a, b)),
+            g.call_function(aten.relu.default, (x,)),
+        )
+
+    gm = _fake_graph(build, torch.randn(512, 512), torch.randn(512, 512), torch.randn(1 << 20))
+    mm, relu = _calls(gm)
+    spec = DeviceSpec("test", peak_flops=1e9, bandwidth=1e9, launch_overhead=1e-6)
+    assert estimate_seconds(mm, spec) == pytest.approx(2 * 512**3 / 1e9 + 1e-6)  # compute bound
+    assert estimate_seconds(relu, spec) == pytest.approx(8 * (1 << 20) / 1e9 + 1e-6)  # memory
+    fast_mm = DeviceSpec("t", 1e9, 1e9, 1e-6, matmul_peaks=(("float32", 1e12),))
+    assert estimate_seconds(mm, fast_mm) < estimate_seconds(mm, spec)
+    assert estimate_seconds(relu, fast_mm) == estimate_seconds(relu, spec)  # not a matmul
+
+
+# --------------------------------------------------------------------------------------
+# Device specs
+# --------------------------------------------------------------------------------------
+
+
+def test_cpu_spec():
+    spec = DeviceSpec.for_device(torch.device("cpu"))
+    assert spec.peak_flops == pytest.approx(5e10 * torch.get_num_threads())
+    assert spec.bandwidth == 2e10 and spec.launch_overhead == 5e-6
+    assert spec.matmul_peak(torch.bfloat16) == spec.peak_flops
+
+
+class _Props:
+    def __init__(self, name, mem_gib):
+        self.name, self.total_memory = name, mem_gib * 2**30
+
+
+@pytest.mark.parametrize(
+    "gpu, fp32, bf16, bw",
+    [
+        ("NVIDIA H100 80GB HBM3", 67e12, 989.5e12, 3.35e12),
+        ("NVIDIA H100 PCIe", 51e12, 756.5e12, 2.0e12),
+        ("NVIDIA H200", 67e12, 989.5e12, 4.8e12),
+        ("NVIDIA A100-SXM4-80GB", 19.5e12, 312e12, 2.0e12),
+        ("NVIDIA A100-SXM4-40GB", 19.5e12, 312e12, 1.555e12),
+        ("Some Future GPU", 1e13, 5e13, 5e11),
+    ],
+)
+def test_cuda_spec_table(monkeypatch, gpu, fp32, bf16, bw):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mem = 40 if "40GB" in gpu else 80
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(gpu, mem))
+    spec = DeviceSpec.for_device("cuda")
+    assert (spec.peak_flops, spec.bandwidth) == (fp32, bw)
+    assert spec.matmul_peak(torch.bfloat16) == bf16
+    assert gpu in spec.name
+    # fp32 matmuls use TF32 tensor cores only when torch is allowed to.
+    assert spec.matmul_peak(torch.float32) == fp32
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert DeviceSpec.for_device("cuda:0").matmul_peak(torch.float32) >= fp32
+
+
+def test_cuda_spec_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = DeviceSpec.for_device("cuda")
+    assert spec.peak_flops > 0 and spec.bandwidth > 0 and "unknown" in spec.name
