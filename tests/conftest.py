@@ -1,5 +1,13 @@
 """Every test plans afresh: the plan cache on disk (``remat.cache``) is off unless a test
-turns it on, so no test passes on a plan another test or run stored."""
+turns it on, so no test passes on a plan another test or run stored.
+
+The folders follow the library's parts: ``solvers/`` (pure, no torch), ``passes/`` (the fx
+passes), ``costs/`` (the cost model), ``runtime/`` (the step runner, memory measurement),
+``api/`` (the whole pass through the public API, the plan cache), ``pipelines/`` (remat
+inside training pipelines, on several ranks, the scripts in ``examples/``), ``tools/``
+(CLI, bench, example models); checks over the whole source tree sit at the top. Each
+folder's ``conftest.py`` (but ``solvers/``'s) says what goes there. A test file's basename
+must be unique across the folders (pytest's default import mode, no ``__init__.py``)."""
 
 import pytest
 
