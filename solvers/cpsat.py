@@ -50,7 +50,9 @@ import time
 
 from ortools.sat.python import cp_model
 
+from .cuts import explain, forbid, forbid_saved_set
 from .errors import InfeasibleBudget
+from .exact import add_points
 from .heuristics import descend, fill, greedy, nearest_fit
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, with_bound
@@ -163,7 +165,7 @@ def cpsat(
         if not search.close_enough:
             rounded = evaluate(problem, relax.saved_set(lp.value), solver="cpsat")
             search.offer(search.repair(rounded), polished=True)
-            seeded = add_points(relax, rounded) > 0  # none where it fits
+            seeded = add_points(relax, rounded, POINTS_PER_ROUND) > 0  # none where it fits
     share = 1.0 if first is not None else BOUND_SHARE
     capped = not seeded and len(problem) <= FIRST_ROUND_CAP_NODES
     used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share, capped)
@@ -368,48 +370,17 @@ def _tighten(relax: Relaxation, plan: Plan) -> None:
     """Cut off an overflowing answer: the backward steps where it overflows made exact
     (the worst ``POINTS_PER_ROUND`` not exact yet) and its forward overflow forbidden
     (``explain``); failing both, that exact saved set."""
-    _cut(relax, plan, weakest=not add_points(relax, plan))
-
-
-def add_points(relax: Relaxation, plan: Plan, count: int = POINTS_PER_ROUND) -> int:
-    """Make the worst ``count`` backward steps where ``plan`` overflows exact (those not
-    exact yet). Returns how many were added."""
-    added = 0
-    for step in _overflowing_steps(relax, plan):
-        if added == count:
-            break
-        added += relax.add_point(*step)
-    return added
-
-
-def _overflowing_steps(relax: Relaxation, plan: Plan) -> list[tuple]:
-    """The backward steps of ``plan`` over the budget, as ``add_point`` names them:
-    core steps ``(k,)`` first, then ``(k, x)`` for the recompute x in the gap before
-    core step k; each kind worst first. A recompute's point holds only where x runs
-    there, so its LP is weaker: core steps go first (see docs/solver-notes.md,
-    "Adopted": points at recompute steps)."""
-    over, k = [], 0
-    for phase, node, live in plan.timeline.steps:
-        if phase != "bwd":
-            continue
-        if node in relax.pos:
-            step = (relax.pos[node],)
-            k = relax.pos[node] + 1  # recomputes from here run in the gap before the next
-        else:
-            step = (k, node)
-        if live > relax.limit:
-            over.append((len(step) == 1, live, step))
-    return [step for *_, step in sorted(over, reverse=True)]
+    _cut(relax, plan, weakest=not add_points(relax, plan, POINTS_PER_ROUND))
 
 
 def _cut(relax: Relaxation, plan: Plan, *, weakest: bool = True) -> None:
     """Forbid the answer's forward overflow (``explain``); failing that, and if
     ``weakest``, its exact saved set."""
-    literals = relax.explain(plan)
+    literals = explain(relax, plan)
     if literals is not None:
-        relax.forbid(literals)
+        forbid(relax, literals)
     elif weakest:
-        relax.forbid_saved_set(plan.saved)
+        forbid_saved_set(relax, plan.saved)
 
 
 def _key(plan: Plan) -> tuple:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .cpsat import add_points
+from .exact import add_points
 from .linear_bound import solve_lp, solve_mip
 from .plan import Plan, evaluate, with_bound
 from .problem import Problem

@@ -34,10 +34,11 @@ Memory, in layers:
 Every feasible plan's canonical assignment satisfies the model, so the model's
 optimum bounds the true optimum from below.
 
-``Relaxation`` is one class in three modules: this one builds the variables, the
-structure, the objective and the lower bound, and maps plans to assignments; ``exact``
-holds what follows ``schedule``'s placement exactly; ``cuts`` what a simulated answer
-adds to the forward.
+Three modules, one job each: this one builds the model (variables, structure,
+objective, the lower bound) and holds what the others read, and maps plans to
+assignments (hints, and what the tests check); ``exact`` adds the exact backward and
+the exact points, ``cuts`` the forward cuts, as functions of a ``Relaxation``.
+
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
-from .cuts import Cuts
-from .exact import NEVER, Exact
+from .exact import NEVER, add_exact_backward
 from .graph import reachable
 from .plan import Plan, evaluate
 from .problem import Problem, free_views, without_free_views
@@ -76,8 +76,9 @@ def _chain(model: cp_model.CpModel, upper: int, name: str, length: int, deltas: 
     return values, defs
 
 
-class Relaxation(Exact, Cuts):
-    """The model for one (problem, limit); cuts are added between solves.
+class Relaxation:
+    """The model for one (problem, limit); points and cuts are added between solves
+    (``exact.add_point``, ``cuts.forbid``), by functions that read its attributes.
 
     ``exact=False`` leaves out the exact backward (a cumulative over every step):
     the rest is a pure linear relaxation CP-SAT often solves to optimality fast,
@@ -103,13 +104,13 @@ class Relaxation(Exact, Cuts):
 
         m = self.model = cp_model.CpModel()
         self.points: set = set()  # core steps k and recomputes (k, x) made exact (``add_point``)
-        self._early: dict = {}  # (node, k) -> its recompute is needed by core step k
+        self.needed: dict = {}  # (node, k) -> its recompute is needed by core step k
+        self.placed: dict = {}  # (node, k, by) -> it is recomputed by / after core step k
         self._derived: list = []  # (var, values -> its value), in the order made: hints
-        self._placed_lits: dict = {}  # (node, k, by) -> ``_placed``'s literal
         rel = sorted(self.relevant)
         self.s = {v: m.NewBoolVar(f"s{v}") for v in rel}
         self.r = {v: m.NewBoolVar(f"r{v}") for v in rel}
-        self._movable = frozenset(v for v in rel if nodes[v].recomputable)  # may be re-run
+        self.movable = frozenset(v for v in rel if nodes[v].recomputable)  # may be re-run
         self.f = {v: m.NewBoolVar(f"f{v}") for v in rel if v not in self.in_base}
         roots = sorted({storage[v] for v in rel} - self.held)
         self.kept = {R: m.NewBoolVar(f"kept{R}") for R in roots}
@@ -120,7 +121,7 @@ class Relaxation(Exact, Cuts):
         self._forward_memory()
         self._backward_memory(n_core)
         if exact:
-            self._exact_backward(n_core)
+            add_exact_backward(self)
 
     # ------------------------------------------------------------------ static facts
 
@@ -261,23 +262,39 @@ class Relaxation(Exact, Cuts):
         storages until their last reader, recomputed ones over the span every plan
         holds them; and at each recompute, its output, inputs and what stays saved."""
         problem, m = self.problem, self.model
-        nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
+        nodes, storage = problem.nodes, problem.storage
         grads = {storage[g] for g in problem.grads}
         run = _run(problem, "bwd", tuple(self.core), tuple(self.held), self.held | grads)
         self.base_live = [live for _, _, live in run.steps]
         self.held_bytes = sum(nodes[R].bytes for R in self.held)
+        kept_chain = self._saved_chain(n_core)
+        rec_chain = self._recomputed_chain(n_core)
+        for k in range(n_core):
+            m.Add(kept_chain[k] + rec_chain[k] <= self.limit - self.base_live[k])
+        # at the backward's first step every saved storage is live (each is read later)
+        everything = [nodes[R].bytes * var for R, var in self.kept.items() if nodes[R].bytes]
+        if everything or self.limit < self.held_bytes:
+            m.Add(sum(everything) <= self.limit - self.held_bytes)
+        self.across = self._across()
+        self._recompute_steps(kept_chain)
 
-        # saved storages: live from the start until their last core use
+    def _saved_chain(self, n_core: int) -> list:
+        """Bytes of saved storages at each core step: live from the start until their
+        last core use."""
+        nodes = self.problem.nodes
         drops: dict[int, list] = {}
         for R, var in self.kept.items():
             if R in self.use and nodes[R].bytes:
                 drops.setdefault(0, []).append((nodes[R].bytes, var))
                 drops.setdefault(self.use[R][1] + 1, []).append((-nodes[R].bytes, var))
-        kept_chain, defs = _chain(m, self.upper, "P", n_core + 1, drops)
+        chain, defs = _chain(self.model, self.upper, "P", n_core + 1, drops)
         self._derive_sums(defs)
+        return chain
 
-        # recomputed storages: live over [first use, last use], earlier when a
-        # recomputed consumer is placed earlier
+    def _recomputed_chain(self, n_core: int) -> list:
+        """Bytes of recomputed storages at each core step: live over [first use, last
+        use], earlier when a recomputed consumer is placed earlier."""
+        nodes, storage = self.problem.nodes, self.problem.storage
         deltas: dict[int, list] = {}
         for R in sorted(self.r):
             if storage[R] != R or R not in self.use or not nodes[R].bytes:
@@ -294,18 +311,15 @@ class Relaxation(Exact, Cuts):
             deltas.setdefault(first, []).append((size, self.r[R]))
             if prev is not None:
                 deltas[first].append((-size, prev))
-        rec_chain, defs = _chain(m, self.upper, "Q", n_core + 1, deltas)
+        chain, defs = _chain(self.model, self.upper, "Q", n_core + 1, deltas)
         self._derive_sums(defs)
-        for k in range(n_core):
-            m.Add(kept_chain[k] + rec_chain[k] <= self.limit - self.base_live[k])
-        # at the backward's first step every saved storage is live (each is read later)
-        everything = [nodes[R].bytes * var for R, var in self.kept.items() if nodes[R].bytes]
-        if everything or self.limit < self.held_bytes:
-            m.Add(sum(everything) <= self.limit - self.held_bytes)
+        return chain
 
-        # each recompute's own step: its outputs, its inputs, saved storages read later;
-        # and, if no consumer pulls it earlier, what the backward holds in its gap
-        across = self.across = self._across()
+    def _recompute_steps(self, kept_chain: list) -> None:
+        """At each recompute's own step: its outputs, its inputs, saved storages read
+        later; and, if no consumer pulls it earlier, what the backward holds in its gap."""
+        problem, m, across = self.problem, self.model, self.across
+        nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
         for v in sorted(self.r):
             node = nodes[v]
             if self.latest[v] is NEVER or not node.recomputable or node.alias_of is not None:
@@ -337,11 +351,11 @@ class Relaxation(Exact, Cuts):
         return kept_chain[k] + sum(c * x for c, x in terms) + const
 
     def _derive_sums(self, defs: list) -> None:
-        """``_derive`` for a chain's ``(var, [(coef, var)])`` definitions."""
+        """``derive`` for a chain's ``(var, [(coef, var)])`` definitions."""
         for var, terms in defs:
-            self._derive(var, lambda x, terms=terms: sum(c * x[v] for c, v in terms))
+            self.derive(var, lambda x, terms=terms: sum(c * x[v] for c, v in terms))
 
-    def _derive(self, var, value) -> None:
+    def derive(self, var, value) -> None:
         """Record how a plan's values give ``var``'s (``value(values)``), for hints:
         a hint CP-SAT must complete itself is often one it cannot use."""
         self._derived.append((var, value))
@@ -388,7 +402,7 @@ class Relaxation(Exact, Cuts):
                 self.model.Add(a >= self.r[R] + self.r[u] - 1)
             pulling = pulling + by_step[k]
             r, pullers = self.r[R], tuple(self.r[u] for u in pulling)
-            self._derive(a, lambda x, r=r, us=pullers: x[r] and any(x[u] for u in us))
+            self.derive(a, lambda x, r=r, us=pullers: x[r] and any(x[u] for u in us))
             steps.append((k, a))
             prev = a
         return steps

@@ -37,7 +37,8 @@ import logging
 import time
 
 from .blocks import Blocks, find_blocks
-from .cpsat import GAP_LIMIT, add_points, cpsat
+from .cpsat import GAP_LIMIT, cpsat
+from .exact import add_points
 from .exchange import exchange
 from .heuristics import savable
 from .linear_bound import solve_lp

@@ -51,6 +51,8 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.cpsat import cpsat, default_time_limit
+from remat.solvers.cuts import explain
+from remat.solvers.exact import add_point
 from remat.solvers.heuristics import savable
 from remat.solvers.relaxation import COST_RESOLUTION, Relaxation, without_free_views
 from remat.solvers.synthetic import chain, layered, random_joint
@@ -124,7 +126,7 @@ def solve_fixed(problem: Problem, plan: Plan, budget: int, *, exact: bool = True
     """Fix every variable the canonical assignment names and solve for the rest."""
     relax = Relaxation(problem, budget, exact=exact)
     for k in points:
-        relax.add_point(*(k if isinstance(k, tuple) else (k,)))
+        add_point(relax, *(k if isinstance(k, tuple) else (k,)))
     for var, value in relax.canonical(plan).items():
         relax.model.Add(var == value)
     solver = cp_model.CpSolver()
@@ -140,7 +142,7 @@ def solve_decisions(problem: Problem, plan: Plan, budget: int, points=()):
     derived literal: a point that binds must bind whatever the solver sets them to."""
     relax = Relaxation(problem, budget, exact=False)
     for k in points:
-        relax.add_point(*k)
+        add_point(relax, *k)
     values = relax.canonical(plan)
     for var in (*relax.s.values(), *relax.r.values()):
         relax.model.Add(var == values[var])
@@ -286,7 +288,7 @@ def test_hints_name_every_variable_of_the_relaxation(data, problem):
     plan = plan_of(problem, saved)
     relax = Relaxation(problem, plan.peak, exact=False)
     for k in range(len(relax.core)):
-        relax.add_point(k)
+        add_point(relax, k)
     hinted = {var.Index() for var in relax.canonical(plan)}
     free = {
         i
@@ -338,7 +340,7 @@ def test_a_forward_overflow_is_explained_by_saved_values_that_overflow_it_always
     assume(plan.timeline.peak_phase == "fwd" and plan.peak > 1)
     budget = plan.peak - 1
     relax = Relaxation(problem, budget, exact=False)
-    literals = relax.explain(plan)
+    literals = explain(relax, plan)
     assert literals is not None, "a forward overflow is always explained"
     pinned = {v for v, var in relax.s.items() if any(var.Index() == x.Index() for x in literals)}
     event(f"{len(pinned)} saved values pinned")

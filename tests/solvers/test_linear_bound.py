@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from remat.solvers import greedy, store_all
-from remat.solvers.cpsat import _Search, add_points, cpsat
+from remat.solvers.cpsat import _Search, cpsat
+from remat.solvers.exact import add_point, add_points
 from remat.solvers.linear_bound import solve_lp
 from remat.solvers.plan import evaluate
 from remat.solvers.relaxation import Relaxation
@@ -133,7 +134,7 @@ def test_exact_points_bind_in_the_lp_and_stay_under_the_optimum():
     relax = Relaxation(problem, budget, exact=False)
     before = lp_value(relax.model)
     for k in (4, 3):
-        relax.add_point(k)
+        add_point(relax, k)
     after = lp_value(relax.model)
     optimum = cpsat(problem, budget, gap_limit=0)
     assert optimum.status == "optimal"
@@ -165,7 +166,7 @@ def test_an_extended_model_solved_after_its_first_lp_is_the_lp_converted_whole()
     relax = Relaxation(problem, budget, exact=False)
     first = solve_lp(relax.model, 10.0)
     for k in (4, 3):
-        relax.add_point(k)
+        add_point(relax, k)
     extended = solve_lp(relax.model, 10.0, after=first)
     whole = solve_lp(relax.model, 10.0)
     assert extended.converted == whole.converted > first.converted
