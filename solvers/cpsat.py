@@ -129,91 +129,134 @@ def cpsat(
     solver found a plan under in ``probes`` bisection steps between ``limit`` and the
     greedy's minimum (a retry at it succeeds: the solver is deterministic).
     """
-    extra = 0.0
+    time_limit, extra = _time_limits(problem, time_limit)
+    _check_options(time_limit, workers, gap_limit)
+    start = time.perf_counter()
+    first, limit, refusal = _greedy_start(problem, limit)
+    search = _Search(problem, limit, first, workers, seed, log, gap_limit)
+    relax = Relaxation(problem, limit, exact=False)
+    seeded = _lp_start(search, relax, time_limit)
+    # 1. the relaxation, made exact where its answers overflow, then 2. the exact model.
+    #    With the greedy's plan in hand the relaxation may take the whole limit and the
+    #    exact model's work is charged EXACT_WEIGHT-fold; without one, the relaxation
+    #    leaves the exact model a share, in full even if a repaired relaxation answer
+    #    fits (such a repair can cost more than the model's plan: docs/solver-notes.md,
+    #    "Adopted").
+    capped = not seeded and len(problem) <= FIRST_ROUND_CAP_NODES
+    share, weight = (1.0, EXACT_WEIGHT) if first is not None else (BOUND_SHARE, 1.0)
+    _relaxation_then_exact(search, relax, time_limit, time_limit * share, weight, capped)
+    # 3. by default, more time where the plan is not proven within ``gap_limit``: the
+    #    relaxation goes on from its points, then the exact model from the best plan.
+    if extra and search.gap_open:
+        _relaxation_then_exact(search, relax, extra, extra, weight, capped=False)
+    best = search.final()
+    if best is None:
+        retry = functools.partial(
+            cpsat, problem, time_limit=time_limit, gap_limit=gap_limit, workers=workers,
+            seed=seed, log=log, probes=0,
+        )  # fmt: skip
+        raise _refusal(problem, limit, refusal, search.proven, retry, probes, start)
+    seconds = time.perf_counter() - start
+    return with_bound(
+        best, search.bound, solver="cpsat", limit=limit, seconds=seconds, proven=search.proven
+    )
+
+
+def _time_limits(problem: Problem, time_limit: float | None) -> tuple[float, float]:
+    """The search's limit and the extra it may take where its gap stays open: only the
+    default limit grows (a given one is the whole limit)."""
     if time_limit is None:
-        time_limit, extra = default_time_limit(problem), EXTRA_LIMIT
+        return default_time_limit(problem), EXTRA_LIMIT
+    return time_limit, 0.0
+
+
+def _check_options(time_limit: float, workers: int, gap_limit: float) -> None:
+    """``ValueError`` for options no search can run with."""
     if time_limit <= 0:
         raise ValueError(f"time_limit must be positive, got {time_limit}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if not 0 <= gap_limit < 1:
         raise ValueError(f"gap_limit must be in [0, 1), got {gap_limit}")
-    start = time.perf_counter()
-    refusal = None
+
+
+def _greedy_start(
+    problem: Problem, limit: int | None
+) -> tuple[Plan | None, int, InfeasibleBudget | None]:
+    """The search's first incumbent: the greedy's plan, polished by ``fill``; the limit
+    (without one, the greedy's lowest peak); or, where the greedy finds no plan, its
+    refusal, kept for the error (CP-SAT may still find a plan the greedy cannot)."""
     try:
         first = greedy(problem, limit)
-        limit = first.peak if limit is None else limit
-        first = fill(problem, first, limit)
-    except InfeasibleBudget as e:
-        first, refusal = None, e  # CP-SAT may still find a plan the greedy cannot
-    search = _Search(problem, limit, first, workers, seed, log, gap_limit)
-    # 1. The relaxation, made exact where its answers overflow: each optimum bounds every
-    #    plan's cost, and each answer, repaired, is a candidate.
-    #    With a plan in hand it may take the whole limit: the exact model then runs only
-    #    on what it leaves (below MIN_EXACT it would find nothing anyway).
-    #    Its LP first, from an LP solver: a bound in seconds where CP-SAT's own first one
-    #    comes after its presolve (most of the time on large graphs); if that proves the
-    #    greedy's plan within ``gap_limit``, there is nothing left to search for.
-    #    Its answer rounded, repaired and polished is a candidate.
-    #    Where that answer overflows in the backward, its steps are made exact before the
-    #    first round (as a round's answer's are), which then needs no cap.
-    relax = Relaxation(problem, limit, exact=False)
+    except InfeasibleBudget as refusal:
+        return None, limit, refusal
+    limit = first.peak if limit is None else limit
+    return fill(problem, first, limit), limit, None
+
+
+def _lp_start(search: _Search, relax: Relaxation, time_limit: float) -> bool:
+    """The relaxation's LP, from an LP solver (not charged to the limit): a proven bound
+    in seconds, where CP-SAT's own first one comes after its presolve (most of the time
+    on large graphs); where it proves the incumbent within ``gap_limit``, there is
+    nothing left to search for. Else its answer rounded, repaired and polished is a
+    candidate, and where that answer overflows in the backward its steps are made exact
+    before the first round. Returns whether any were: that round then needs no cap."""
     lp = solve_lp(relax.model, WALL_FACTOR * time_limit)
-    seeded = False
-    if lp is not None:
-        search.bound = lp.bound / relax.scale
-        if not search.close_enough:
-            rounded = evaluate(problem, relax.saved_set(lp.value), solver="cpsat")
-            search.offer(search.repair(rounded), polished=True)
-            seeded = add_points(relax, rounded, POINTS_PER_ROUND) > 0  # none where it fits
-    share = 1.0 if first is not None else BOUND_SHARE
-    capped = not seeded and len(problem) <= FIRST_ROUND_CAP_NODES
-    used = 0.0 if search.close_enough else search.bound_round(relax, time_limit * share, capped)
-    # 2. The exact model, hinted with the best plan so far, until optimal or out of time;
-    #    its work is charged EXACT_WEIGHT-fold unless the greedy found no plan: then it
-    #    gets the rest in full even if a repaired relaxation answer fits (such a repair
-    #    can cost more than the model's plan: docs/solver-notes.md, "Adopted").
-    weight = EXACT_WEIGHT if first is not None else 1.0
-    exact_seconds = (time_limit - used) / weight
+    if lp is None:
+        return False
+    search.bound = lp.bound / relax.scale
+    if search.close_enough:
+        return False
+    rounded = evaluate(search.problem, relax.saved_set(lp.value), solver="cpsat")
+    search.offer(search.repair(rounded), polished=True)
+    return add_points(relax, rounded, POINTS_PER_ROUND) > 0  # none where it fits
+
+
+def _relaxation_then_exact(
+    search: _Search,
+    relax: Relaxation,
+    seconds: float,
+    relaxation_seconds: float,
+    weight: float,
+    capped: bool,
+) -> None:
+    """The relaxation's rounds for up to ``relaxation_seconds`` (each optimum bounds
+    every plan's cost, each answer repaired is a candidate), then the exact model,
+    hinted with the best plan so far, on the rest of ``seconds`` charged ``weight``-fold
+    (not run below ``MIN_EXACT``, where it would find nothing, unless no plan fits yet)."""
+    used = 0.0 if search.close_enough else search.bound_round(relax, relaxation_seconds, capped)
+    exact_seconds = (seconds - used) / weight
     if exact_seconds >= MIN_EXACT or search.best is None:
         search.exact_rounds(exact_seconds)
-    # 3. By default, more time where the plan is not proven within ``gap_limit``: the
-    #    relaxation goes on from its points, then the exact model from the best plan.
-    if extra and search.best is not None and not search.proven and not search.close_enough:
-        used = search.bound_round(relax, extra, capped=False)
-        if (extra - used) / weight >= MIN_EXACT:
-            search.exact_rounds((extra - used) / weight)
-    best = search.best
-    if best is not None and not search.proven:
-        if not search.polished:
-            best = fill(problem, best, limit)
-        # a last pass by seconds per byte saves back the tiny tensors the costliest-first
-        # order gives up before; only here, where it cannot change the search's hint
-        # (see docs/solver-notes.md, "Adopted": a last fill by recompute seconds per byte)
-        best = fill(problem, best, limit, order="per_byte")
-    if best is None:
-        r = refusal
-        retry = functools.partial(
-            cpsat, problem, time_limit=time_limit, gap_limit=gap_limit, workers=workers,
-            seed=seed, log=log, probes=0,
-        )  # fmt: skip
-        if probes:  # the probes take as long as the solve did, or longer: say so
-            logger.info(
-                "remat %s: no plan fits %s (%s CP-SAT in %.1fs); %d more solve%s toward the "
-                "greedy's lowest peak %s, to name the lowest budget that fits",
-                problem.name or "graph",
-                format_bytes(limit),
-                "proven by" if search.proven else "none found by",
-                time.perf_counter() - start,
-                probes,
-                "s" if probes > 1 else "",
-                format_bytes(r.minimum),
-            )
-        minimum = _lowest_fitting(limit, r.minimum, retry, probes)
-        raise InfeasibleBudget(r.limit, minimum, r.store_all, problem.name, search.proven)
-    seconds = time.perf_counter() - start
-    return with_bound(
-        best, search.bound, solver="cpsat", limit=limit, seconds=seconds, proven=search.proven
+
+
+def _refusal(
+    problem: Problem,
+    limit: int,
+    greedy_refusal: InfeasibleBudget,
+    proven: bool,
+    retry,
+    probes: int,
+    start: float,
+) -> InfeasibleBudget:
+    """The error for a ``limit`` no plan was found under: its minimum the lowest budget
+    ``retry(budget)`` fits in ``probes`` bisection steps toward the greedy's minimum.
+    The probes take as long as the solve did, or longer: the log says so first."""
+    if probes:
+        logger.info(
+            "remat %s: no plan fits %s (%s CP-SAT in %.1fs); %d more solve%s toward the "
+            "greedy's lowest peak %s, to name the lowest budget that fits",
+            problem.name or "graph",
+            format_bytes(limit),
+            "proven by" if proven else "none found by",
+            time.perf_counter() - start,
+            probes,
+            "s" if probes > 1 else "",
+            format_bytes(greedy_refusal.minimum),
+        )
+    minimum = _lowest_fitting(limit, greedy_refusal.minimum, retry, probes)
+    return InfeasibleBudget(
+        greedy_refusal.limit, minimum, greedy_refusal.store_all, problem.name, proven
     )
 
 
@@ -227,11 +270,28 @@ class _Search:
         self.polished = best is not None  # ``best`` went through ``fill`` already
 
     @property
+    def gap_open(self) -> bool:
+        """There is a plan, not proven within ``gap_limit`` of the optimum yet."""
+        return self.best is not None and not self.proven and not self.close_enough
+
+    @property
     def close_enough(self) -> bool:
         """The incumbent is proven within ``gap_limit`` of the optimum."""
         if self.best is None or self.gap_limit <= 0:
             return False
         return self.best.cost - self.bound <= self.gap_limit * self.best.cost
+
+    def final(self) -> Plan | None:
+        """The incumbent as returned: polished by ``fill`` unless proven optimal, then a
+        last pass by seconds per byte saves back the tiny tensors the costliest-first
+        order gives up before; only here, where it cannot change the search's hint (see
+        docs/solver-notes.md, "Adopted": a last fill by recompute seconds per byte)."""
+        best = self.best
+        if best is None or self.proven:
+            return best
+        if not self.polished:
+            best = fill(self.problem, best, self.limit)
+        return fill(self.problem, best, self.limit, order="per_byte")
 
     def offer(self, plan: Plan, polished: bool = False) -> None:
         if plan.peak <= self.limit and (self.best is None or _key(plan) < _key(self.best)):
