@@ -3,7 +3,8 @@
     python benchmarks/solver_bench.py --sizes 500,2000,10000 --gpt-layers 12 \\
         --budgets 0.7,0.5,0.3 --solvers greedy,cpsat --json out/solvers.json
 
-Graphs: ``synthetic.layered`` transformer stacks of about ``--sizes`` nodes each, and
+Graphs: ``synthetic.layered`` transformer stacks of about ``--sizes`` nodes each (the
+solver tests' graphs, ``tests/solvers/synthetic.py``, through ``_test_graphs.py``), and
 (unless ``--gpt-layers 0``) the traced joint graph of the built-in ``gpt`` example with
 that many layers, at its default sizes or those ``--gpt-size key=value`` gives (e.g.
 GPT-2 small's: ``d_model=768 heads=12 seq=1024 vocab=50257``). Budgets are fractions
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from _output import write_rows
+from _test_graphs import layered
 from tabulate import tabulate
 
 from remat.solvers import (
@@ -35,7 +37,6 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.cpsat import cpsat
-from remat.solvers.synthetic import layered
 
 NODES_PER_LAYER = 44  # len(layered(k)) == 44 * k + 5
 

@@ -1,4 +1,5 @@
-"""Make the helper module ``oracle`` importable whatever pytest's import mode."""
+"""Make the helper modules ``oracle`` and ``synthetic`` importable whatever pytest's
+import mode."""
 
 import sys
 from pathlib import Path

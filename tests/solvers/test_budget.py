@@ -6,6 +6,7 @@ import functools
 import gc
 
 import pytest
+from synthetic import chain
 
 from remat.solvers import (
     SOLVERS,
@@ -19,7 +20,6 @@ from remat.solvers import (
     solve,
     store_all,
 )
-from remat.solvers.synthetic import chain
 
 # ----------------------------------------------------------------------------- Budget.parse
 
@@ -348,8 +348,9 @@ def test_format_bytes():
 def test_cpsat_out_of_time_before_any_solution_returns_the_greedys_plan():
     """A time limit too short for CP-SAT to find anything still gives a plan that fits:
     the greedy's, with which it starts (a bound of 0 says nothing was proven)."""
+    from synthetic import layered
+
     from remat.solvers.cpsat import cpsat
-    from remat.solvers.synthetic import layered
 
     p = layered(4)
     budget = int(store_all(p).peak * 0.5)

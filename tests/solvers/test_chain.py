@@ -7,6 +7,7 @@ import importlib
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from synthetic import chain, layered, random_joint
 
 from remat.solvers import (
     InfeasibleBudget,
@@ -26,7 +27,6 @@ from remat.solvers.chain import (
     sqrt,
     sqrt_actions,
 )
-from remat.solvers.synthetic import chain, layered, random_joint
 
 simulate_module = importlib.import_module("remat.solvers.simulate")
 

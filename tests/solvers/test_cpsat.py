@@ -25,11 +25,13 @@ import logging
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, event, example, given, note, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
+from synthetic import chain, layered, random_joint
 from test_properties import (
     SETTINGS,
     any_problem,
@@ -55,11 +57,11 @@ from remat.solvers.cuts import explain
 from remat.solvers.exact import add_point
 from remat.solvers.heuristics import savable
 from remat.solvers.relaxation import COST_RESOLUTION, Relaxation, without_free_views
-from remat.solvers.synthetic import chain, layered, random_joint
 
 FILTERING = dict(
     SETTINGS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
 )
+HERE = Path(__file__).resolve().parent  # where ``synthetic`` is, for fresh processes
 EXHAUSTIVE_MAX = 12  # savable values: 2**12 saved sets at most
 REL = 1e-6
 
@@ -591,7 +593,7 @@ def test_cpsat_plan_is_the_same_in_fresh_processes():
     code = (
         "from remat.solvers import greedy, store_all\n"
         "from remat.solvers.cpsat import cpsat\n"
-        "from remat.solvers.synthetic import random_joint\n"
+        "from synthetic import random_joint\n"
         "p = random_joint(90, 56)\n"
         "lo, hi = greedy(p).peak, store_all(p).peak\n"
         "plan = cpsat(p, lo + (hi - lo) // 3, time_limit=0.3)\n"
@@ -599,7 +601,7 @@ def test_cpsat_plan_is_the_same_in_fresh_processes():
     )
     runs = {
         subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True
         ).stdout
         for _ in range(3)
     }

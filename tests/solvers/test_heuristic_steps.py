@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from synthetic import random_joint
 from test_properties import any_problem
 
 from remat.solvers import InfeasibleBudget, Node, Problem, evaluate, store_all
@@ -22,7 +23,6 @@ from remat.solvers.heuristics import (
     savable,
 )
 from remat.solvers.problem import without_free_views
-from remat.solvers.synthetic import random_joint
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
+from synthetic import layered
 
 from remat.solvers import greedy, store_all
 from remat.solvers.cpsat import _Search, cpsat
@@ -14,7 +15,6 @@ from remat.solvers.exact import add_point, add_points
 from remat.solvers.linear_bound import solve_lp
 from remat.solvers.plan import evaluate
 from remat.solvers.relaxation import Relaxation
-from remat.solvers.synthetic import layered
 
 
 def lp_value(model: cp_model.CpModel) -> float:

@@ -1,4 +1,6 @@
-"""``remat.solvers`` never imports torch: checked in the source and in a clean interpreter."""
+"""``remat.solvers`` never imports torch: checked in the source and in a clean interpreter,
+where a standalone copy of the folder plans a problem the test graphs (``synthetic.py``,
+which imports ``remat.solvers`` only) build on it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import remat.solvers
 
 SOLVERS_DIR = Path(remat.solvers.__file__).resolve().parent
 SOURCES = sorted(SOLVERS_DIR.rglob("*.py"))
+GRAPHS = Path(__file__).resolve().parent / "synthetic.py"  # a test utility, not the library's
 
 
 def _is_torch(module: str | None) -> bool:
@@ -82,21 +85,33 @@ def test_the_checker_ignores_lookalikes(source):
 
 
 STANDALONE = r"""
-import importlib, importlib.util, json, sys
-folder = sys.argv[1]
-spec = importlib.util.spec_from_file_location(
-    "standalone_solvers", folder + "/__init__.py", submodule_search_locations=[folder]
-)
-pkg = importlib.util.module_from_spec(spec)
-sys.modules["standalone_solvers"] = pkg
-spec.loader.exec_module(pkg)
-synthetic = importlib.import_module("standalone_solvers.synthetic")
+import importlib.util, json, sys
+folder, graphs = sys.argv[1], sys.argv[2]
+
+
+def load(name, path, **where):
+    spec = importlib.util.spec_from_file_location(name, path, **where)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pkg = load("standalone_solvers", folder + "/__init__.py", submodule_search_locations=[folder])
+# the test graphs import ``remat.solvers``: here that name is the standalone copy, so
+# nothing of remat's core (nor torch) can load through them
+sys.modules["remat.solvers"] = pkg
+synthetic = load("synthetic", graphs)
 problem = synthetic.chain(6)
 full = pkg.store_all(problem)
 plan = pkg.solve(problem, pkg.Budget.parse(0.7).resolve(full.peak))
 print(json.dumps({
     "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
-    "remat": sorted(m for m in sys.modules if m == "remat" or m.startswith("remat.")),
+    "remat": sorted(
+        m for m in sys.modules
+        if (m == "remat" or m.startswith("remat.")) and sys.modules[m] is not pkg
+    ),
+    "problem": type(problem).__module__,
     "store_all_peak": full.peak,
     "peak": plan.peak,
     "limit": plan.limit,
@@ -107,7 +122,7 @@ print(json.dumps({
 
 def test_solvers_run_standalone_without_torch(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-I", "-c", STANDALONE, str(SOLVERS_DIR)],
+        [sys.executable, "-I", "-c", STANDALONE, str(SOLVERS_DIR), str(GRAPHS)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -118,5 +133,6 @@ def test_solvers_run_standalone_without_torch(tmp_path):
     assert out["torch"] == []
     assert out["remat"] == []
     assert out["module"] == "standalone_solvers.solve"
+    assert out["problem"] == "standalone_solvers.problem"  # the test graphs', too
     assert out["limit"] == int(0.7 * out["store_all_peak"])
     assert 0 < out["peak"] <= out["limit"]

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
+from synthetic import chain, layered
 from test_heuristic_steps import _read_last
 from test_properties import any_problem
 
@@ -19,7 +20,6 @@ from remat.solvers.linear_bound import solve_lp, solve_mip
 from remat.solvers.plan import with_bound
 from remat.solvers.proof import prove
 from remat.solvers.relaxation import Relaxation
-from remat.solvers.synthetic import chain, layered
 
 pytest.importorskip("highspy", reason="the MIP bound needs the 'prove' extra")
 

@@ -19,6 +19,7 @@ import oracle
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from synthetic import random_joint
 
 from remat.solvers import (
     InfeasibleBudget,
@@ -34,7 +35,6 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.heuristics import checkpoint_sweep, savable
-from remat.solvers.synthetic import random_joint
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GREEDY_MAX = 120  # forward nodes in the tests that run greedy many times (time budget)

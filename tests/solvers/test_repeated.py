@@ -9,12 +9,12 @@ import oracle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from synthetic import chain, layered, random_joint
 
 from remat.solvers import InfeasibleBudget, Problem, solve, store_all
 from remat.solvers.blocks import find_blocks
 from remat.solvers.cpsat import cpsat
 from remat.solvers.repeated import repeated
-from remat.solvers.synthetic import chain, layered, random_joint
 
 solve_module = importlib.import_module(
     "remat.solvers.solve"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import oracle
 import pytest
+from synthetic import layered
 
 from remat.solvers import greedy, solve, store_all
-from remat.solvers.synthetic import layered
 
 
 def test_is_a_transformer_shaped_joint_graph():

@@ -1,10 +1,16 @@
-"""Synthetic joint graphs shaped like real training steps, for tests and benchmarks."""
+"""Synthetic joint graphs shaped like real training steps, for tests and benchmarks.
+
+A test utility, not part of the library: the tests import it as ``synthetic``
+(``conftest.py`` puts this folder on ``sys.path``), the benchmark scripts through
+``benchmarks/_test_graphs.py``. It needs only ``remat.solvers`` (no torch), so
+``test_no_torch.py`` builds its problem with it on a standalone copy of the solvers.
+"""
 
 from __future__ import annotations
 
 import random
 
-from .problem import Node, Problem
+from remat.solvers import Node, Problem
 
 
 def chain(
