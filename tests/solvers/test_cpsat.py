@@ -429,9 +429,9 @@ def test_cpsat_is_deterministic(data, problem):
 def test_optimal_means_zero_gap(problem):
     """``Plan.gap``: 0 when proven optimal (the bound of an optimal plan is its cost)."""
     plan = cpsat(problem, time_limit=time_limit_for(problem))
-    if plan.status == "optimal":
-        note(f"cost {plan.cost!r}, bound {plan.bound!r}")
-        assert plan.gap == 0.0
+    assume(plan.status == "optimal")
+    note(f"cost {plan.cost!r}, bound {plan.bound!r}")
+    assert plan.gap == 0.0
 
 
 # ----------------------------------------------------------------------------- tiny problems
@@ -496,9 +496,9 @@ def test_a_gap_limited_optimal_is_optimal(data, problem):
     limit = time_limit_for(problem)
     loose = cpsat(problem, budget, time_limit=limit, gap_limit=0.5)
     note(f"{loose}, bound {loose.bound!r}")
-    if loose.status == "optimal":
-        exact = cpsat(problem, budget, time_limit=limit, gap_limit=0)
-        assert exact.cost >= loose.cost - tol(loose.cost)
+    assume(loose.status == "optimal")
+    exact = cpsat(problem, budget, time_limit=limit, gap_limit=0)
+    assert exact.cost >= loose.cost - tol(loose.cost)
 
 
 @pytest.mark.parametrize("gap_limit", [-0.1, 1.0, 2.0])
