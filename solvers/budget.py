@@ -36,7 +36,16 @@ class Budget:
     @classmethod
     def parse(cls, budget: BudgetLike) -> Budget:
         """Read ``int`` bytes, a ``float`` fraction in (0, 1], ``"40%"``, ``"0.4"``,
-        ``"512MiB"``, ``"2GB"`` or ``"1073741824"``; a ``Budget`` is returned as is."""
+        ``"512MiB"``, ``"2GB"`` or ``"1073741824"``; a ``Budget`` is returned as is.
+
+        Example:
+            >>> Budget.parse("40%").resolve(store_all_peak=1000)
+            400
+            >>> Budget.parse("2GiB").resolve(store_all_peak=1000)  # bytes, whatever the peak
+            2147483648
+            >>> print(Budget.parse(" 512MiB "))  # as written, for messages
+            512MiB
+        """
         if isinstance(budget, Budget):
             return budget
         if isinstance(budget, bool):

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
+from typing import Protocol
 
 from .chain import lowest_chain_peak, revolve, sqrt
 from .cpsat import GAP_LIMIT, cpsat
@@ -19,7 +20,52 @@ from .problem import Problem
 from .repeated import repeated
 from .schedule import InvalidPlan
 
-Solver = Callable[[Problem, int], Plan]
+
+class Solver(Protocol):
+    """What plans a problem under a limit: the functions in ``SOLVERS`` (``greedy``,
+    ``cpsat``, ...), a ``functools.partial`` of one with its options, or a user's own.
+
+    ``solve`` runs any of them and trusts none: it derives each plan again from its
+    saved set, so a solver only has to choose what to save, and make its plan with
+    ``evaluate`` (docs/architecture.md, "Adding a solver").
+    """
+
+    def __call__(self, problem: Problem, limit: int, /) -> Plan:
+        """Plan ``problem`` to peak at most ``limit`` bytes.
+
+        Args:
+            problem: the joint graph to plan.
+            limit: the budget in bytes (a user's budget is read once, at the API:
+                ``Budget.parse(budget).resolve(store_all(problem).peak)``).
+
+        Returns:
+            The plan ``evaluate`` makes of the values it saves: ``solve`` derives it again
+            and refuses one that differs.
+
+        Raises:
+            InfeasibleBudget: no plan the solver can find fits ``limit``; its ``minimum``
+                is the lowest budget it found a plan under (a retry there succeeds).
+
+        Example:
+            A solver that saves nothing (every value the backward reads is recomputed):
+
+            >>> from remat.solvers import Node, Plan, Problem, evaluate, solve
+            >>> def save_nothing(problem: Problem, limit: int, /) -> Plan:
+            ...     return evaluate(problem, (), solver="save-nothing", limit=limit)
+            >>> problem = Problem(
+            ...     (Node("x", "fwd", bytes=100, cost=1.0),
+            ...      Node("h", "fwd", bytes=100, cost=1.0, inputs=(0,)),
+            ...      Node("loss", "fwd", bytes=4, cost=1.0, inputs=(1,)),
+            ...      Node("tangent", "bwd", bytes=4),
+            ...      Node("dh", "bwd", bytes=100, cost=1.0, inputs=(3, 1)),
+            ...      Node("dx", "bwd", bytes=100, cost=1.0, inputs=(4, 0))),
+            ...     outputs=(2,), grads=(5,))
+            >>> plan = solve(problem, 1000, save_nothing)
+            >>> plan.solver, plan.saved, plan.peak <= 1000
+            ('save-nothing', frozenset(), True)
+        """
+        ...
+
 
 log = logging.getLogger("remat")
 
@@ -122,20 +168,68 @@ def solve(
     solver: str | Solver = "auto",
     candidates: Callable[[], Mapping[str, Iterable[int]]] | None = None,
 ) -> Plan:
-    """Plan ``problem`` to peak at most ``limit`` bytes.
+    """Plan ``problem`` to peak at most ``limit`` bytes: the one entry point the rest of
+    remat calls.
 
-    ``solver`` is a name from ``SOLVERS`` or a callable ``(problem, limit) -> Plan``.
-    ``candidates`` gives saved sets found elsewhere, by name (torch's own partition): one
-    that fits and costs less than the solver's plan is returned instead, under the name and
-    with the solver's bound (a bound on every plan); one ``schedule`` refuses is skipped.
-    It is called only where the solver's bound does not prove its plan within ``GAP_LIMIT``
-    of every plan: a candidate could save no more than CP-SAT itself stops short of.
     No plan is taken on faith: each is derived again from its saved set (and its backward
     order, where it gives one) through ``schedule`` and ``simulate``, a plan whose peak,
-    cost or programs differ from that is refused (``InvalidPlan``), and the limit is
-    checked against the derived peak; so a buggy solver cannot break the promise.
-    A user's budget becomes ``limit`` through ``Budget.resolve`` (a fraction needs the
-    problem's store-all peak).
+    cost or programs differ from that is refused, and the limit is checked against the
+    derived peak; so a buggy solver cannot break the promise. A solver that crashes (an
+    OR-Tools fault, a bug in a user's solver) is replaced by the greedy, with a warning:
+    a solver's failure must not end a training step.
+
+    Args:
+        problem: the joint graph to plan (a step's graphs together: ``step.compose``).
+        limit: the budget in bytes. A user's budget becomes one through
+            ``Budget.parse(budget).resolve(store_all(problem).peak)`` (a fraction needs
+            the problem's store-all peak).
+        solver: a name from ``SOLVERS`` or a ``Solver`` callable.
+        candidates: saved sets found elsewhere, by name (torch's own partition), made
+            on demand: one that fits and costs less than the solver's plan is returned
+            instead, under its name and with the solver's bound (a bound on every plan);
+            one ``schedule`` refuses is skipped. Called only where the solver's bound
+            does not prove its plan within ``GAP_LIMIT`` of every plan: a candidate
+            could save no more than CP-SAT itself stops short of.
+
+    Returns:
+        The plan: what it saves and recomputes, its programs' order, its predicted peak
+        (at most ``limit``) and cost, and from the optimising solvers a lower bound on
+        every plan's cost (``bound``, ``gap``).
+
+    Raises:
+        InfeasibleBudget: ``limit`` is below the lowest peak remat can reach; its
+            ``minimum`` names that peak, a budget a retry meets.
+        SolverOverBudget: the solver's plan peaks over a ``limit`` some plan meets (a
+            fixed strategy, or a user's solver that ignores the limit).
+        InvalidPlan: the solver's plan is not what its saved set makes.
+        InvalidOption: ``solver`` names no solver.
+        TypeError: ``limit`` is not ``int`` bytes, or the solver returned no ``Plan``.
+
+    Example:
+        A chain ``x -> h -> y`` whose backward reads each of its values:
+
+        >>> from remat.solvers import Budget, InfeasibleBudget, Node, Problem, solve, store_all
+        >>> problem = Problem(
+        ...     (Node("x", "fwd", bytes=100, cost=1.0),
+        ...      Node("h", "fwd", bytes=100, cost=1.0, inputs=(0,)),
+        ...      Node("y", "fwd", bytes=100, cost=1.0, inputs=(1,)),
+        ...      Node("loss", "fwd", bytes=4, cost=1.0, inputs=(2,)),
+        ...      Node("tangent", "bwd", bytes=4),
+        ...      Node("dy", "bwd", bytes=100, cost=1.0, inputs=(4, 2)),
+        ...      Node("dh", "bwd", bytes=100, cost=1.0, inputs=(5, 1)),
+        ...      Node("dx", "bwd", bytes=100, cost=1.0, inputs=(6, 0))),
+        ...     outputs=(3,), grads=(7,))
+        >>> limit = Budget.parse("80%").resolve(store_all(problem).peak)
+        >>> plan = solve(problem, limit)
+        >>> plan.peak <= limit, plan.status
+        (True, 'optimal')
+        >>> [problem.nodes[i].name for i in sorted(plan.recomputed)]
+        ['x']
+        >>> try:
+        ...     solve(problem, 200)
+        ... except InfeasibleBudget as refusal:
+        ...     print(refusal.minimum)
+        304
     """
     fn = solver_for(solver)
     if isinstance(limit, bool) or not isinstance(limit, int):
