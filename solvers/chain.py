@@ -13,10 +13,18 @@ from module names), and a chain schedule works on them:
 
 So a value may be recomputed several times, each copy with its own lifetime: the plan
 carries its backward's order (``Schedule.backward``), from which ``schedule`` derives
-what the forward must hand over. ``sqrt`` checkpoints every ~√n stages (Chen et al.
-2016); ``revolve`` chooses where to store by dynamic programming over the stages' costs
-for a number of checkpoint slots, which on a uniform chain is Griewank and Walther's
-binomial optimum (REVOLVE, 2000).
+what the forward must hand over. ``sqrt`` checkpoints every ~√n stages; ``revolve``
+chooses where to store by dynamic programming over the stages' costs for a number of
+checkpoint slots.
+
+Prior art, and what this module takes from it:
+
+- Chen et al. 2016 (training with sublinear memory cost): ``sqrt``, a checkpoint every
+  ~√n stages.
+- REVOLVE (Griewank & Walther, ACM TOMS 2000): binomial checkpointing, the optimum for
+  a number of slots on a chain of equal stages; ``revolve`` meets it there.
+- rotor (Beaumont et al., 2019, heterogeneous chains): a dynamic programme over stages
+  that differ, there over bytes of memory; ``revolve``'s runs over checkpoint slots.
 """
 
 from __future__ import annotations

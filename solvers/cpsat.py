@@ -39,7 +39,8 @@ the same on every machine) and, with several workers, interleaved search; so eve
 rank of a distributed job gets the same plan. Each solve also has a wall-clock guard
 of ``WALL_FACTOR`` times its limit against pathological models (the LP solve one of
 ``WALL_FACTOR`` times the whole limit); only if one fires can two runs differ.
-The measurements behind each choice: docs/solver-notes.md, "Adopted".
+The measurements behind each choice: docs/solver-notes.md, "Adopted". The model, and
+the papers it follows (Checkmate's LP rounding, Moccasin's CP-SAT): ``relaxation``.
 """
 
 from __future__ import annotations

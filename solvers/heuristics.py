@@ -1,4 +1,10 @@
-"""Fast solvers without optimality proofs: the two extremes and a peak-guided greedy."""
+"""Fast solvers without optimality proofs: the two extremes and a peak-guided greedy.
+
+Prior art: the greedy's choice, the storage live at the peak that frees the most bytes
+per second of recompute, is the ratio DTR (Kirisame et al., ICLR 2021) evicts by at run
+time (with staleness too); ``checkpoint_sweep`` is segment checkpointing (Chen et al.
+2016) at every segment size.
+"""
 
 from __future__ import annotations
 

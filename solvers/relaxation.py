@@ -39,6 +39,13 @@ objective, the lower bound) and holds what the others read, and maps plans to
 assignments (hints, and what the tests check); ``exact`` adds the exact backward and
 the exact points, ``cuts`` the forward cuts, as functions of a ``Relaxation``.
 
+Prior art, and what this model takes from it:
+
+- Checkmate (Jain et al., MLSys 2020): a MILP over a recompute schedule, its LP
+  relaxation rounded to a plan; here the saved set alone decides, O(n) variables.
+- Moccasin (Bartan et al., ICML 2023): CP-SAT, a retention interval per value, O(n)
+  variables; here the exact backward's cumulative, placed by ``schedule``, not free
+  (free placement did not scale: docs/solver-notes.md, "Adopted": prefix-sum chains).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ in every block (docs/solver-notes.md, "Repeated blocks"). So, with
 The full graph is only simulated: a few dozen times, against thousands for a search
 on every node. Where the graph has no repeated blocks, or no pattern fits, ``cpsat``
 on the whole graph.
+
+Prior art: Rockmate (Zhao et al., ICML 2023) finds a model's blocks in its graph and
+plans each (an ILP per block, then rotor's chain DP over them); here one saved pattern
+for every middle block, read off the whole graph's LP.
 """
 
 from __future__ import annotations
