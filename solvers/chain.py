@@ -85,15 +85,7 @@ def find_chain(problem: Problem) -> Chain | None:
     """The chain of stages of ``problem``'s forward, or None where there is none: no cut,
     or a backward that does not reverse the stages in order."""
     nodes = problem.nodes
-    # Values made of resident tensors alone (a weight's transpose) cost nothing to hand
-    # over or remake, wherever they are: they bind no stage.
-    # A multi-output op's bytes are on its outputs: it is free only if they all are.
-    free: set[int] = set()
-    for i in problem.forward_nodes:
-        parts = problem.outputs_of[i]
-        if (nodes[i].bytes == 0 and all(j in free for j in nodes[i].inputs)
-                and all(nodes[p].bytes == 0 for p in parts)):
-            free.add(i)  # fmt: skip
+    free = _free_values(problem)
     # A view of an activation allocates nothing and may run anywhere after its base (the
     # graph places some late, among the backward): it belongs to its base's stage.
     views = {i for i in problem.forward_nodes if nodes[i].alias_of is not None} - free
@@ -106,6 +98,34 @@ def find_chain(problem: Problem) -> Chain | None:
             j = nodes[j].alias_of
         return j
 
+    cuts = _cuts(problem, forward, free, base)
+    if not cuts:
+        return None
+    if len(cuts) > MAX_STAGES:
+        stride = math.ceil(len(cuts) / MAX_STAGES)
+        cuts = cuts[stride - 1 :: stride]
+    if cuts[-1] != forward[-1]:
+        cuts.append(forward[-1])  # the last stage runs to the end (it may not be a cut)
+    return _in_backward_order(problem, forward, views, base, cuts)
+
+
+def _free_values(problem: Problem) -> set[int]:
+    """Values made of resident tensors alone (a weight's transpose): they cost nothing to
+    hand over or remake, wherever they are, so they bind no stage. A multi-output op's
+    bytes are on its outputs: it is free only if they all are."""
+    nodes, free = problem.nodes, set()
+    for i in problem.forward_nodes:
+        parts = problem.outputs_of[i]
+        if (nodes[i].bytes == 0 and all(j in free for j in nodes[i].inputs)
+                and all(nodes[p].bytes == 0 for p in parts)):
+            free.add(i)  # fmt: skip
+    return free
+
+
+def _cuts(problem: Problem, forward: list[int], free: set[int], base) -> list[int]:
+    """The forward values no later node reads past: each later node reads nothing
+    earlier than it (``base``: a view's storage owner)."""
+    nodes = problem.nodes
     # earliest forward value each forward node reads; a cut c has none earlier read later
     earliest = {
         i: min((base(j) for j in nodes[i].inputs if nodes[j].phase == "fwd" and j not in free),
@@ -120,15 +140,17 @@ def find_chain(problem: Problem) -> Chain | None:
             cuts.append(i)
         later_min = min(later_min, earliest[i])
     cuts.reverse()  # fmt: skip
-    if not cuts:
-        return None
-    if len(cuts) > MAX_STAGES:
-        stride = math.ceil(len(cuts) / MAX_STAGES)
-        cuts = cuts[stride - 1 :: stride]
-    if cuts[-1] != forward[-1]:
-        cuts.append(forward[-1])  # the last stage runs to the end (it may not be a cut)
-    while True:  # merge stages the backward interleaves (a shortcut's backward after its
-        stage_of = [0] * len(nodes)  # block's main path) until it reverses them in order
+    return cuts
+
+
+def _in_backward_order(
+    problem: Problem, forward: list[int], views: set[int], base, cuts: list[int]
+) -> Chain | None:
+    """The chain of stages ``cuts`` end, with the stages the backward interleaves (a
+    shortcut's backward after its block's main path) merged until it reverses them in
+    order; None where fewer than two stages are left."""
+    while True:
+        stage_of = [0] * len(problem.nodes)
         k = 0
         for i in forward:
             stage_of[i] = k + 1

@@ -10,7 +10,7 @@ outputs are assumed held by the caller until the step ends (conservative).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -136,34 +136,53 @@ def _run_copies(
     through its last read; a kept storage's copy from the start (else its last one)
     lives to the end. With no repeats this accounts as ``_run`` does.
     """
-    nodes, storage = problem.nodes, problem.storage
-    allocations = problem.allocations
-    sizes: list[int] = []
-    roots: list[int] = []
-    made: list[int] = []  # the step each copy is made at (-1: live at the start)
-    last: list[int] = []  # the step of its last read (-1: none)
-    at_start: dict[int, int] = {}  # storage -> its copy live at the start
-    written: dict[int, int] = {}  # storage -> the copy its latest allocation made
-    reads_as: dict[int, int] = {}  # node (that ran) -> its copy
+    copies, workspace = _walk_copies(problem, order, start)
+    return _account_copies(phase, order, copies, workspace, keep)
 
-    def new_copy(root: int, nbytes: int, step: int) -> int:
-        sizes.append(nbytes)
-        roots.append(root)
-        made.append(step)
-        last.append(-1)
-        return len(sizes) - 1
+
+@dataclass
+class _Copies:
+    """The copies of storages one program starts with or makes, by index: ``roots`` (the
+    storage), ``sizes``, ``made`` (the step it is made at, -1: live at the start) and
+    ``last`` (the step of its last read, -1: none); ``at_start`` and ``written``: the
+    copy of each storage live at the start, and the one its latest allocation made."""
+
+    roots: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    made: list[int] = field(default_factory=list)
+    last: list[int] = field(default_factory=list)
+    at_start: dict[int, int] = field(default_factory=dict)
+    written: dict[int, int] = field(default_factory=dict)
+
+    def new(self, root: int, nbytes: int, step: int) -> int:
+        self.sizes.append(nbytes)
+        self.roots.append(root)
+        self.made.append(step)
+        self.last.append(-1)
+        return len(self.sizes) - 1
+
+
+def _walk_copies(
+    problem: Problem, order: tuple[int, ...], start: tuple[int, ...]
+) -> tuple[_Copies, np.ndarray]:
+    """Run ``order`` from the storages ``start``: the copies made and read (the rules in
+    ``_run_copies``), and each step's workspace."""
+    nodes, storage, allocations = problem.nodes, problem.storage, problem.allocations
+    copies = _Copies()
+    at_start, written = copies.at_start, copies.written
+    reads_as: dict[int, int] = {}  # node (that ran) -> its copy
 
     def copy_of(j: int) -> int:
         return reads_as[j] if j in reads_as else at_start.get(storage[j], -1)
 
     for root in start:
-        at_start[root] = new_copy(root, int(nodes[root].bytes), -1)
+        at_start[root] = copies.new(root, int(nodes[root].bytes), -1)
     workspace = np.zeros(len(order), dtype=np.int64)
     for t, i in enumerate(order):
         node = nodes[i]
         touched = [copy_of(j) for j in node.inputs]
         for root, nbytes in allocations[i]:  # a re-run writes new copies, reading none
-            written[root] = new_copy(root, nbytes, t)
+            written[root] = copies.new(root, nbytes, t)
             touched.append(written[root])
         if node.alias_of is not None:
             reads_as[i] = copy_of(node.alias_of)
@@ -174,8 +193,19 @@ def _run_copies(
         touched.append(reads_as[i])
         for c in touched:
             if c >= 0:
-                last[c] = t
+                copies.last[c] = t
         workspace[t] = node.workspace
+    return copies, workspace
+
+
+def _account_copies(
+    phase: str, order: tuple[int, ...], copies: _Copies, workspace: np.ndarray, keep: set[int]
+) -> _Run:
+    """The bytes live at each step of ``order``, its peak and the storages live there:
+    each copy from its making through its last read, a kept storage's last copy to the
+    end; copies live at the start that nothing reads or keeps are not this program's."""
+    sizes, roots, made, last = copies.sizes, copies.roots, copies.made, copies.last
+    at_start, written = copies.at_start, copies.written
     final = {at_start[r] if r in at_start else written[r] for r in keep
              if r in at_start or r in written}  # fmt: skip
     delta = np.zeros(len(order) + 1, dtype=np.int64)
