@@ -20,6 +20,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules
 from torch._guards import CompileContext, CompileId
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -57,6 +58,7 @@ __all__ = [
     "is_torch_assert",
     "mutated_inputs",
     "op_schema",
+    "optimization_hint",
     "real_tensors",
     "storage_of",
     "tree_flatten",

@@ -6,6 +6,8 @@ cost model passed in, so this pass stays a pure graph walk.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,6 +18,7 @@ from torch import fx
 from remat.solvers import Node, Problem
 
 from ._torch_compat import mutated_inputs
+from .sizes import Binding, hint, reading_at
 
 
 class NodeFacts(Protocol):
@@ -36,6 +39,32 @@ class Extracted:
     problem: Problem
     fx_nodes: tuple[fx.Node, ...]
 
+    def grown(self, planned: Binding, binding: Binding) -> Extracted:
+        """This problem, read at ``planned``, read at the larger sizes ``binding`` without
+        measuring a kernel again: each node's bytes and save cost grow as its value's
+        elements do (exact for a tensor's own bytes), its time and scratch as the largest
+        of its value's and its inputs' (the measured part of a kernel is taken to grow
+        with its tensors: docs/guide.md, "Sizes that vary")."""
+        growth = _growth(self.fx_nodes, planned, binding)
+        nodes = []
+        for node, n in zip(self.problem.nodes, self.fx_nodes, strict=True):
+            own = growth[n]
+            most = max([own, *(growth[i] for i in n.all_input_nodes if i in growth)])
+            nodes.append(
+                dataclasses.replace(
+                    node,
+                    bytes=math.ceil(node.bytes * own),
+                    workspace=math.ceil(node.workspace * most),
+                    cost=node.cost * most,
+                    save_cost=node.save_cost * own,
+                )
+            )
+        graph_nodes = self.fx_nodes[0].graph.nodes if self.fx_nodes else ()
+        with reading_at(binding):
+            resident = _resident_bytes(graph_nodes)
+        problem = dataclasses.replace(self.problem, nodes=tuple(nodes), resident_bytes=resident)
+        return Extracted(problem, self.fx_nodes)
+
 
 def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in str(node.target)
@@ -46,7 +75,10 @@ def is_root_tangent(node: fx.Node) -> bool:
     (autograd holds it until the backward returns)."""
     val = node.meta.get("val")
     return (
-        is_tangent(node) and bool(node.users) and isinstance(val, torch.Tensor) and val.numel() == 1
+        is_tangent(node)
+        and bool(node.users)
+        and isinstance(val, torch.Tensor)
+        and hint(val.numel()) == 1
     )
 
 
@@ -142,7 +174,7 @@ def extract(
     # use: measured, holding one to the end over-predicted the peak by its size.
     held = (index[n] for n in kept if is_root_tangent(n))
     grads += tuple(t for t in held if t not in grads)
-    resident = sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
+    resident = _resident_bytes(graph_nodes)
     problem = Problem(
         tuple(nodes), outputs=outputs, grads=grads, resident_bytes=resident, name=name
     )
@@ -170,16 +202,54 @@ def _strided_bytes(val: object) -> int:
     forward output's strides (``empty_strided`` and a copy when the incoming gradient's
     differ), so a tangent of a split's slice spans its base's row stride (124 bytes, not
     112, for a 4x7 slice of a 4x8 matrix)."""
-    if not isinstance(val, torch.Tensor) or val.numel() == 0:
+    if not isinstance(val, torch.Tensor) or hint(val.numel()) == 0:
         return 0
     extents = zip(val.shape, val.stride(), strict=True)
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in extents)
-    return max(span, val.numel()) * val.element_size()
+    span = 1 + sum((hint(size) - 1) * abs(hint(stride)) for size, stride in extents)
+    return max(span, hint(val.numel())) * val.element_size()
+
+
+def _resident_bytes(graph_nodes) -> int:
+    return sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
+
+
+def _growth(fx_nodes, planned: Binding, binding: Binding) -> dict[fx.Node, float]:
+    """Per node of the graph (the problem's and the resident ones), how many times more
+    elements its value has at ``binding`` than at ``planned``: 1 for a value of static
+    sizes, or none."""
+    graph_nodes = fx_nodes[0].graph.nodes if fx_nodes else ()
+    read: dict = {}
+
+    def elements(count: torch.SymInt, at: Binding) -> int:
+        key = (count.node.expr, id(at))
+        if key not in read:
+            with reading_at(at):
+                read[key] = hint(count)
+        return read[key]
+
+    growth = {}
+    for n in graph_nodes:
+        val = n.meta.get("val")
+        counts = [t.numel() for t in _tensors(val)]
+        symbolic = [c for c in counts if isinstance(c, torch.SymInt)]
+        before = sum(elements(c, planned) for c in symbolic)
+        after = sum(elements(c, binding) for c in symbolic)
+        fixed = sum(c for c in counts if not isinstance(c, torch.SymInt))
+        growth[n] = (after + fixed) / (before + fixed) if before + fixed else 1.0
+    return growth
+
+
+def _tensors(val: object) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
 
 
 def _tensor_bytes(val: object) -> int:
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return hint(val.numel()) * val.element_size()
     return 0
 
 

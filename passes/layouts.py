@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import op_schema
+from .sizes import hint
 
 aten = torch.ops.aten
 
@@ -76,7 +77,7 @@ def restore_traced_layouts(joint: fx.GraphModule, run_kernel: KernelStrides) -> 
                 outputs[node] = produced
                 continue
             strides = produced[0]
-        if strides is not None and isinstance(fake, torch.Tensor) and strides != fake.stride():
+        if strides is not None and isinstance(fake, torch.Tensor) and strides != _strides(fake):
             real[node] = strides
     if copies:
         joint.recompile()
@@ -124,9 +125,26 @@ def _replayed(view: fx.Node, base_strides: tuple[int, ...]) -> tuple[int, ...] |
     """``view``'s strides over a base laid out with ``base_strides`` (on the meta device),
     or None where the view cannot be taken of it."""
     base = view.args[0].meta["val"]
+    shape = [hint(s) for s in base.shape]
+    args = [_number(a) for a in view.args[1:]]
     try:
-        meta = torch.empty_strided(base.shape, base_strides, dtype=base.dtype, device="meta")
-        out = view.target(meta, *view.args[1:], **view.kwargs)
+        meta = torch.empty_strided(shape, base_strides, dtype=base.dtype, device="meta")
+        out = view.target(meta, *args, **view.kwargs)
     except (RuntimeError, ValueError):  # (on the meta device a failed view is a ValueError)
         return None
     return tuple(out.stride())
+
+
+def _strides(fake: torch.Tensor) -> tuple[int, ...]:
+    """A fake tensor's strides as numbers (``sizes.hint``)."""
+    return tuple(hint(s) for s in fake.stride())
+
+
+def _number(arg):
+    """A view's argument with its sizes as numbers: a SymInt, or a node computing one,
+    read by ``sizes.hint``; lists element by element."""
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_number(a) for a in arg)
+    if isinstance(arg, fx.Node):
+        arg = arg.meta.get("val")
+    return hint(arg) if isinstance(arg, torch.SymInt) else arg

@@ -50,8 +50,10 @@ def rewrite(
         },
         key=lambda n: n.name,
     )
-    saved_values = [n for n in saved if not is_symbolic(n)] + resident_reads
-    saved_syms = [n for n in saved if is_symbolic(n)]
+    # sizes (SymInts) go apart from the tensors, where AOTAutograd's runtime keeps them
+    handed = [*saved, *resident_reads]
+    saved_values = [n for n in handed if not is_symbolic(n)]
+    saved_syms = [n for n in handed if is_symbolic(n)]
     fw, bw = extract_fwd_bwd_modules(joint, saved_values, saved_syms, num_fwd_outputs)
     restore_in_backward(bw)
     _drop_unscheduled_dead_code(bw, {n.name for n in backward_nodes})

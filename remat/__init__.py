@@ -6,10 +6,9 @@
 
 from remat import errors, memory, nn
 from remat.api import backend, optimize, partitioner, plan
-from remat.backend import RematBackend
+from remat.backends import RematBackend
 from remat.config import configure
 from remat.errors import (
-    DynamicShapes,
     InfeasibleBudget,
     InvalidOption,
     NothingCompiled,
@@ -23,7 +22,6 @@ from remat.version import __version__ as __version__
 
 __all__ = [
     "Budget",
-    "DynamicShapes",
     "InfeasibleBudget",
     "InvalidOption",
     "NothingCompiled",

@@ -28,11 +28,16 @@ from remat.solvers import InfeasibleBudget, Plan, Problem, evaluate, min_peak_pl
 Solver = Callable[[Problem, int], Plan]
 
 
-def planning_solver(solver: str | Solver, cache: PlanCache | None) -> str | Solver:
-    """``solver`` answering from ``cache`` where it can, and agreed across ranks."""
+def planning_solver(
+    solver: str | Solver, cache: PlanCache | None, agree: bool = True
+) -> str | Solver:
+    """``solver`` answering from ``cache`` where it can, and agreed across ranks unless
+    ``agree`` is False: a graph with symbolic sizes is planned when its rank's own sizes
+    grow, which other ranks need not do at the same time, so it cannot take part in a
+    round every rank must join; each rank plans it for its own sizes."""
     if cache is not None:
         solver = cache.solver(solver)
-    return agreeing(solver) if distributed() else solver
+    return agreeing(solver) if agree and distributed() else solver
 
 
 def agreeing(solver: str | Solver) -> Solver:

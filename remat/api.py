@@ -1,6 +1,6 @@
 """What a user types: ``optimize``, ``plan``, ``backend``, ``partitioner`` and the "remat"
 dynamo backend. Each reads the user's options once (``Budget.parse``, ``remat.config``)
-and wires the parts: the backend (``remat.backend``) and, for a module, a compiled twin
+and wires the parts: the backend (``remat.backends``) and, for a module, a compiled twin
 whose calls the step runner sees (``remat.runtime``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from remat.backend import InductorPartitioner, RematBackend
+from remat.backends import InductorPartitioner, RematBackend
 from remat.cache import CacheLike, open_cache
 from remat.config import option
 from remat.errors import (
@@ -93,6 +93,7 @@ def optimize(
     cost_model: str | None = None,
     cache: CacheLike = None,
     on_failure: str = "eager",
+    dynamic: bool | None = None,
 ) -> nn.Module | Callable:
     """Return ``model`` compiled so each training step peaks under ``budget``.
 
@@ -117,6 +118,12 @@ def optimize(
         cost_model: ``"roofline"`` (default) or ``"profile"`` (kernels timed).
         cache: the plan cache on disk (``remat.cache``): None for the default (on unless
             ``REMAT_CACHE=0``), False off, or a folder.
+        dynamic: as ``torch.compile`` takes it. None (default): the first call is traced
+            at its sizes, and where a later call's sizes differ the graph is traced once
+            more with those sizes symbolic, then serves every size; True: symbolic from
+            the first call; False: every new size traced and planned anew. A graph with
+            symbolic sizes is planned at the largest sizes it has run at, and planned
+            again (no trace) when larger ones come (docs/guide.md, "Sizes that vary").
         on_failure: where remat cannot compile the model (a bug, an op it cannot plan;
             not a verdict such as ``InfeasibleBudget``, which is raised), ``"eager"``
             runs it eagerly from then on with one ``remat.errors.EagerFallback`` warning,
@@ -151,21 +158,23 @@ def optimize(
         raise InvalidOption(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model, cache=cache)
     if isinstance(model, nn.Module):
-        return _compiled_copy(model, rb, on_failure)  # ``optimized.remat`` is ``rb``
+        return _compiled_copy(model, rb, on_failure, dynamic)  # ``optimized.remat`` is ``rb``
     if not callable(model):
         raise TypeError(
             f"optimize expects an nn.Module or a function, got {type(model).__name__}"
         )
     name = getattr(model, "__qualname__", type(model).__name__)
     compiled = _guarded(
-        torch.compile(model, backend=rb, dynamic=False), rb, name, model, on_failure
+        torch.compile(model, backend=rb, dynamic=dynamic), rb, name, model, on_failure
     )
     functools.update_wrapper(compiled, model)
     compiled.remat = rb
     return compiled
 
 
-def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Module:
+def _compiled_copy(
+    model: nn.Module, rb: RematBackend, on_failure: str, dynamic: bool | None = None
+) -> nn.Module:
     """A module that is ``model`` in all but its ``forward``, which is compiled with ``rb``.
 
     It shares ``model``'s ``__dict__`` itself, so parameters, buffers, submodules, hooks
@@ -184,7 +193,7 @@ def _compiled_copy(model: nn.Module, rb: RematBackend, on_failure: str) -> nn.Mo
             "(define it on the class)"
         )
     compiled = _guarded(
-        torch.compile(model.forward, backend=rb, dynamic=False),
+        torch.compile(model.forward, backend=rb, dynamic=dynamic),
         rb,
         f"{cls.__name__}.forward",
         model.forward,

@@ -12,7 +12,6 @@ from remat.solvers.errors import InfeasibleBudget, InvalidOption, RematError, So
 from remat.solvers.schedule import InvalidPlan
 
 __all__ = [
-    "DynamicShapes",
     "EagerFallback",
     "InfeasibleBudget",
     "InvalidOption",
@@ -43,19 +42,6 @@ class EagerFallback(UserWarning):
     budget (``optimize(..., on_failure="raise")`` makes it an error instead)."""
 
 
-class DynamicShapes(RematError, ValueError):
-    """dynamo handed over a graph with symbolic sizes; remat plans concrete shapes only."""
-
-    def __init__(self, graph: str, symbols: list[str]) -> None:
-        super().__init__(
-            f"remat plans a step at concrete shapes, but {graph}'s inputs have symbolic sizes "
-            f"({', '.join(symbols)}): torch.compile made the graph dynamic (it does "
-            "so by itself when a second input shape arrives). Pass dynamic=False, as in "
-            "torch.compile(model, backend=remat.backend(budget), dynamic=False) (remat.optimize "
-            "does), so each input shape is planned on its own."
-        )
-
-
 class NothingCompiled(RematError, RuntimeError):
     """dynamo captured no graph from the forward and ran it eagerly, outside the budget."""
 
@@ -77,8 +63,10 @@ class RecompileLimitHit(RematError, RuntimeError):
         super().__init__(
             f"torch.compile hit dynamo's recompile limit ({limit}) on {model_name}, "
             "so this step would run eagerly, outside remat's budget. Every remat.optimize "
-            f"of a {model_name} in one process, and every new input shape, compiles that "
-            "forward once more. Raise torch._dynamo.config.recompile_limit, call "
+            f"of a {model_name} in one process compiles that forward once more, and so "
+            "does a guard the code puts on sizes or values (a Python branch on a size; "
+            "TORCH_LOGS=recompiles names each), or every new input shape under "
+            "optimize(..., dynamic=False). Raise torch._dynamo.config.recompile_limit, call "
             "torch.compiler.reset() before optimizing another model (earlier ones then plan "
-            "again at their next call), or keep input shapes fixed."
+            "again at their next call), or let sizes vary symbolically (dynamic=None)."
         )

@@ -29,7 +29,6 @@ from remat import costs
 from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.costs import CostModel, check_cost_model
-from remat.errors import DynamicShapes
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import Extracted, extract
@@ -37,9 +36,12 @@ from remat.passes.layouts import restore_traced_layouts
 from remat.passes.min_cut import torch_saved
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
+from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
 from remat.solvers import (
     InfeasibleBudget,
     Plan,
+    Problem,
+    evaluate,
     format_bytes,
     held_bytes,
     min_peak_plan,
@@ -79,6 +81,8 @@ class GraphPlan:
     # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
     # those stay in ``.grad`` while the backwards of earlier graphs of the step run
     leaves: frozenset[tuple[int, int]] = frozenset()
+    # the sizes it was planned at, as (symbol, value), where its sizes are symbolic
+    binding: tuple[tuple[str, int], ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -100,6 +104,10 @@ class CompiledGraph:
     num_fwd_outputs: int
     forward: fx.GraphModule
     backward: fx.GraphModule
+    # the joint graph's size symbols (none where its sizes are static) and the sizes this
+    # plan was made at: it serves every size no larger (``passes.sizes.covers``)
+    sizes: Sizes = Sizes()
+    binding: Binding = dataclasses.field(default_factory=dict)
 
 
 class Planner:
@@ -148,60 +156,116 @@ class Planner:
         ``leaves``: (identity, bytes) of its inputs autograd accumulates a gradient into
         (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes
         the runs before it in the step hold while it runs, which an absolute budget
-        leaves it less of.
+        leaves it less of. A graph with symbolic sizes is planned at the sizes it was
+        traced at (``passes.sizes``); ``replan`` plans it again at larger ones.
         """
         start = time.perf_counter()
-        name = f"graph{len(self.graphs)}"
-        _refuse_symbolic_shapes(joint, name)
+        name = f"graph{len({g.name for g in self.graphs})}"
         compile_id = CompileContext.current_compile_id()
-        dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
-        replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
-        # read as traced: copies where a layout differs
-        copied = restore_traced_layouts(joint, costs.output_strides)
-        log.debug(
-            "remat %s: %d identity clones dropped, %d dropouts replayed, %d tensors read "
-            "as traced through a copy",
-            name,
-            dropped,
-            replayed,
-            copied,
-        )
-        extracted = self._extract(joint, num_fwd_outputs, name)
+        with no_guards(joint):
+            dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
+            replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
+            # read as traced: copies where a layout differs
+            copied = restore_traced_layouts(joint, costs.output_strides)
+            log.debug(
+                "remat %s: %d identity clones dropped, %d dropouts replayed, %d tensors "
+                "read as traced through a copy",
+                name,
+                dropped,
+                replayed,
+                copied,
+            )
+            sizes = Sizes.of(joint)
+            binding = sizes.hints()
+            prepared = time.perf_counter()
+            record = self._plan_at(joint, num_fwd_outputs, name, binding, held, leaves, compile_id)
+            solved = time.perf_counter()
+            eager = self.compiler == "eager"
+            fw, bw = rewrite(joint, record.extracted, record.plan, num_fwd_outputs, eager=eager)
+        done = time.perf_counter()
+        phases = {
+            "extract": prepared - start + record.phase_seconds["extract"],
+            "solve": record.phase_seconds["solve"],
+            "rewrite": done - solved,
+        }
+        record = dataclasses.replace(record, plan_seconds=done - start, phase_seconds=phases)
+        self.graphs[-1] = record
+        self._log(record, binding)
+        return CompiledGraph(record, joint, num_fwd_outputs, fw, bw, sizes, binding)
+
+    def replan(self, compiled: CompiledGraph, binding: Binding, held: int = 0) -> GraphPlan:
+        """``compiled``'s graph planned again at ``binding``, larger sizes than it was
+        planned for (no trace: its programs serve every size). Its plan is kept where it
+        still fits, which costs no solve and no new programs; else solved anew, with the
+        kept plan as a candidate. The caller rewrites the plan into programs where it is
+        new (``remat.runtime``)."""
+        r = compiled.record
+        grown = r.extracted.grown(compiled.binding, binding)
+        with no_guards(compiled.joint):
+            record = self._plan_at(
+                compiled.joint, compiled.num_fwd_outputs, r.name, binding, held, r.leaves,
+                r.compile_id, r.plan, grown,
+            )  # fmt: skip
+        self._log(record, binding)
+        return record
+
+    def _plan_at(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        name: str,
+        binding: Binding,
+        held: int,
+        leaves: frozenset[tuple[int, int]],
+        compile_id: CompileId | None,
+        kept: Plan | None = None,
+        extracted: Extracted | None = None,
+    ) -> GraphPlan:
+        """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
+        measured): ``kept`` (an earlier binding's plan) where it still fits, else the
+        solver's."""
+        start = time.perf_counter()
+        if extracted is None:
+            with reading_at(binding):
+                extracted = self._extract(joint, num_fwd_outputs, name, binding)
         extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
         limit = self._graph_limit(baseline.peak, held)
-        candidates = functools.partial(self._candidates, joint, num_fwd_outputs, extracted)
-        plan = self._first_plan(problem, limit, name, held, candidates)
+        plan = _still_fitting(problem, kept, limit)
+        if plan is None:
+            candidates = (
+                functools.partial(self._candidates, joint, num_fwd_outputs, extracted)
+                if kept is None
+                else lambda: {f"{kept.solver} (kept)": kept.saved}
+            )
+            plan = self._first_plan(problem, limit, name, held, candidates, agree=not binding)
         solved_at = time.perf_counter()
-        fw, bw = rewrite(joint, extracted, plan, num_fwd_outputs, eager=self.compiler == "eager")
-        done = time.perf_counter()
-        phases = {
-            "extract": extracted_at - start,
-            "solve": solved_at - extracted_at,
-            "rewrite": done - solved_at,
-        }
         record = GraphPlan(
             name,
             extracted,
             plan,
             baseline,
             limit,
-            plan_seconds=done - start,
-            phase_seconds=phases,
+            plan_seconds=solved_at - start,
+            phase_seconds={"extract": extracted_at - start, "solve": solved_at - extracted_at},
             compile_id=compile_id,
             leaves=leaves,
+            binding=tuple(sorted((str(s), v) for s, v in binding.items())),
         )
         self.graphs.append(record)
+        return record
+
+    def _log(self, record: GraphPlan, binding: Binding) -> None:
         log.info(
-            "remat %s: %s (store-all %s, budget %s, planned in %.2fs)",
-            name,
-            plan,
-            format_bytes(baseline.peak),
-            format_bytes(limit),
+            "remat %s%s: %s (store-all %s, budget %s, planned in %.2fs)",
+            record.name,
+            f" at {describe(binding)}" if binding else "",
+            record.plan,
+            format_bytes(record.store_all.peak),
+            format_bytes(record.limit),
             record.plan_seconds,
         )
-        return CompiledGraph(record, joint, num_fwd_outputs, fw, bw)
 
     def held_by_earlier_frames(self) -> int:
         """What earlier graphs of the step hold, where remat sees no runs (inductor compiles
@@ -235,18 +299,24 @@ class Planner:
         return self.cache.candidates(joint, num_fwd_outputs, partition)
 
     def _first_plan(
-        self, problem, limit: int, name: str, held: int, candidates: Callable | None = None
+        self,
+        problem,
+        limit: int,
+        name: str,
+        held: int,
+        candidates: Callable | None = None,
+        agree: bool = True,
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits). Where
         none fits and the step is planned as one at its end (which then fits the budget or
         names the step's minimum), the lowest-peak plan; else the refusal."""
         if not self.joint_follows:
-            return solve(problem, limit, self._cached(self.solver), candidates)
+            return solve(problem, limit, self._cached(self.solver, agree), candidates)
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
             solver = functools.partial(SOLVERS[solver], probes=0)
         try:
-            return solve(problem, limit, self._cached(solver), candidates)
+            return solve(problem, limit, self._cached(solver, agree), candidates)
         except InfeasibleBudget:
             log.warning(
                 "remat %s: no plan fits what is left of the budget for it (%s; the runs "
@@ -258,12 +328,14 @@ class Planner:
             )
             return min_peak_plan(problem)
 
-    def _cached(self, solver: str | Solver) -> str | Solver:
-        return planning_solver(solver, self.cache)
+    def _cached(self, solver: str | Solver, agree: bool = True) -> str | Solver:
+        return planning_solver(solver, self.cache, agree)
 
-    def _extract(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str) -> Extracted:
-        """The graph as a ``Problem``, from the plan cache where an earlier process stored
-        it, else measured (``_measure``)."""
+    def _extract(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, name: str, binding: Binding
+    ) -> Extracted:
+        """The graph as a ``Problem`` at ``binding``, from the plan cache where an earlier
+        process stored it, else measured (``_measure``)."""
 
         def measure() -> Extracted:
             return self._measure(joint, num_fwd_outputs, name)
@@ -272,6 +344,8 @@ class Planner:
             return measure()
         device = _device_of(joint)
         model = f"{self.cost_model}/{self.compiler}"
+        if binding:
+            model += f" at {describe(binding)}"
         args = (joint, num_fwd_outputs, model, device, name, measure)
         return self.cache.extracted(*args)
 
@@ -311,17 +385,15 @@ class Planner:
         return CostModel.for_graph(self.cost_model, joint, _device_of(joint), self.compiler)
 
 
-def _refuse_symbolic_shapes(joint: fx.GraphModule, name: str) -> None:
-    """remat plans a step at concrete sizes (bytes, times, the budget itself): a graph
-    whose inputs have symbolic sizes is refused with what to do, not planned at one size
-    and run at others."""
-    symbols = set()
-    for node in joint.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        sizes = val.shape if isinstance(val, torch.Tensor) else (val,)
-        symbols |= {str(s) for s in sizes if isinstance(s, torch.SymInt)}
-    if symbols:
-        raise DynamicShapes(name, sorted(symbols))
+def _still_fitting(problem: Problem, kept: Plan | None, limit: int) -> Plan | None:
+    """``kept`` (a plan of the same graph at smaller sizes) as a plan of ``problem``, where
+    it fits ``limit``; None where it does not, or there is none."""
+    if kept is None:
+        return None
+    order = kept.schedule.backward if kept.ordered else None
+    solver = kept.solver if kept.solver.endswith(" (kept)") else f"{kept.solver} (kept)"
+    again = evaluate(problem, kept.saved, backward=order, solver=solver, limit=limit)
+    return again if again.peak <= limit else None
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

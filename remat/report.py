@@ -55,12 +55,15 @@ class PlanReport:
 
     def rows(self) -> list[dict]:
         out = []
+        symbolic = any(g.binding for g in self.graphs)
         for g in self.graphs:
             p, problem = g.plan, g.extracted.problem
             fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
+            sizes = {"sizes": ", ".join(f"{s}={v}" for s, v in g.binding) or "-"}
             out.append(
                 {
                     "graph": g.name,
+                    **(sizes if symbolic else {}),
                     "compile": "-" if g.compile_id is None else str(g.compile_id),
                     "nodes": len(problem),
                     "saved": len(p.saved),

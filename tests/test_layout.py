@@ -151,7 +151,7 @@ MAY_IMPORT = {
     "remat": ("remat",),
 }
 # Run time builds on compile time: besides the runtime itself, only the wiring imports it.
-RUNTIME_USERS = {"remat", "remat.api", "remat.backend", "remat.report"}
+RUNTIME_USERS = {"remat", "remat.api", "remat.backends", "remat.report"}
 
 
 def _forbidden(graph: dict[str, set[str]]) -> list[str]:

@@ -1,7 +1,7 @@
 """Small readers over fx nodes and their fake metadata, shared by the cost modules.
 
 A node's ``meta["val"]`` holds a FakeTensor, a tuple/list of them (possibly with None), a
-SymInt, or None; sizes may be SymInts, read at their optimisation hint.
+SymInt, or None; sizes may be SymInts, read as numbers by ``passes.sizes.hint``.
 """
 
 from __future__ import annotations
@@ -14,15 +14,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.passes._torch_compat import tree_flatten
-
-
-def hint(x: Any) -> int:
-    """Concrete int for an int or SymInt (its optimisation hint; 8192 for unbacked)."""
-    if isinstance(x, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(x, fallback=8192))
-    return int(x)
+from remat.passes.sizes import hint
 
 
 def tensors_of(val: Any) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from remat.agree import planning_solver
 from remat.cache import PlanCache
+from remat.passes.sizes import Binding
 from remat.runtime.handed import keeping, own_order
 from remat.runtime.recording import Recording, Run
 from remat.solvers import InfeasibleBudget, Plan, evaluate, solve, store_all
@@ -39,6 +40,9 @@ class StepPlan:
     first_peak: int  # what the recorded (first) step's plans peak at, predicted
     limit: int  # the budget in bytes for this step
     store_all_peak: int  # of ``composed.problem``: what a fraction of a budget is of
+    # per run, the sizes its graph's problem was read at: the plan serves every step whose
+    # runs are no larger (``passes.sizes.covers``); empty where sizes are static
+    bindings: tuple[Binding, ...] = ()
 
     @property
     def runs(self) -> int:
@@ -71,7 +75,8 @@ def plan_step(
         programs = (runs[0].program,)
     else:
         try:
-            plan = solve(composed.problem, limit, planning_solver(solver, cache))
+            agree = not any(r.graph.sizes for r in runs)  # (``agree.planning_solver``)
+            plan = solve(composed.problem, limit, planning_solver(solver, cache, agree))
         except InfeasibleBudget as refusal:
             raise _in_step_terms(refusal, runs) from None
         programs = _programs(composed, plan, runs)
@@ -85,7 +90,10 @@ def plan_step(
             plan = dataclasses.replace(again, status=plan.status, bound=plan.bound)
         log.info("remat: step (%s) planned as one: %s", names, plan)
     signature = tuple(r.graph.name for r in runs)
-    return StepPlan(signature, programs, composed, plan, first.peak, limit, store_all_peak)
+    bindings = tuple(dict(r.graph.binding) for r in runs)
+    return StepPlan(
+        signature, programs, composed, plan, first.peak, limit, store_all_peak, bindings
+    )
 
 
 def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,8 +10,9 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from remat.passes._torch_compat import boxed
-from remat.passes.extract import Extracted, is_tangent
+from remat.passes.extract import Extracted, is_symbolic, is_tangent
 from remat.passes.rewrite import rewrite
+from remat.passes.sizes import Binding, Sizes, no_guards
 from remat.planner import CompiledGraph, GraphPlan
 from remat.solvers import Plan, Problem
 
@@ -24,27 +26,52 @@ class Program:
     backward: Callable
     tangents: tuple[tuple[int, int], ...]  # (backward argument, problem node) per tangent
     grads: tuple[int | None, ...]  # problem node of each returned gradient
+    # what the forward hands over: ``saved`` tensors, then ``syms`` sizes (ints), which
+    # the backward takes first (AOTAutograd's layout)
+    saved: int = 0
+    syms: int = 0
 
 
 @dataclass
 class Graph:
-    """A compiled graph and the programs its runs may take (``programs[0]``: the plan made
-    at compile time). Made from what the planner handed over (``from_compiled``)."""
+    """A compiled graph and the programs its runs may take. ``compiled`` is what the
+    planner handed over, with the graph's latest plan of its own (made at the largest
+    sizes it has seen, where its sizes are symbolic: ``grow``); ``current`` indexes that
+    plan's program (``programs[0]``: the plan made at compile time)."""
 
-    record: GraphPlan
-    joint: fx.GraphModule
-    num_fwd_outputs: int
+    compiled: CompiledGraph
     programs: list[Program] = field(default_factory=list)
+    current: int = 0
 
     @classmethod
     def from_compiled(cls, compiled: CompiledGraph) -> Graph:
         record = compiled.record
         first = make_program(record.plan, compiled.forward, compiled.backward, record.extracted)
-        return cls(record, compiled.joint, compiled.num_fwd_outputs, [first])
+        return cls(compiled, [first])
+
+    @property
+    def record(self) -> GraphPlan:
+        return self.compiled.record
 
     @property
     def name(self) -> str:
         return self.record.name
+
+    @property
+    def joint(self) -> fx.GraphModule:
+        return self.compiled.joint
+
+    @property
+    def num_fwd_outputs(self) -> int:
+        return self.compiled.num_fwd_outputs
+
+    @property
+    def sizes(self) -> Sizes:
+        return self.compiled.sizes
+
+    @property
+    def binding(self) -> Binding:
+        return self.compiled.binding
 
     @property
     def problem(self) -> Problem:
@@ -57,14 +84,26 @@ class Graph:
         outs = self.joint.graph.output_node().args[0][: self.num_fwd_outputs]
         return tuple(where.get(o.name) if isinstance(o, fx.Node) else None for o in outs)
 
+    def grow(self, record: GraphPlan, binding: Binding) -> None:
+        """The graph planned again at larger sizes (``Planner.replan``): its problem and
+        its own plan are ``record``'s from now on."""
+        self.compiled = dataclasses.replace(self.compiled, record=record, binding=dict(binding))
+        self.current = self.program_for(record.plan)
+
     def program_for(self, plan: Plan) -> int:
-        """The index of the program running ``plan``'s schedule, built if new."""
+        """The index of the program running ``plan``'s schedule, built if new. A program
+        serves every size, so a plan made at other sizes with the same order shares it."""
         for k, p in enumerate(self.programs):
-            if p.plan.saved == plan.saved and p.plan.schedule == plan.schedule:
+            if p.plan.saved == plan.saved and _order(p.plan) == _order(plan):
                 return k
-        fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
+        with no_guards(self.joint):
+            fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
         self.programs.append(make_program(plan, fw, bw, self.record.extracted))
         return len(self.programs) - 1
+
+
+def _order(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return plan.schedule.forward, plan.schedule.backward
 
 
 def make_program(
@@ -77,4 +116,6 @@ def make_program(
     tangents = tuple((k, where[p.name]) for k, p in enumerate(inputs) if is_tangent(p))
     returned = bw.graph.output_node().args[0]
     grads = tuple(where.get(g.name) if isinstance(g, fx.Node) else None for g in returned)
-    return Program(plan, boxed(fw), boxed(bw), tangents, grads)
+    syms = next((k for k, p in enumerate(inputs) if not is_symbolic(p)), len(inputs))
+    saved = (tangents[0][0] if tangents else len(inputs)) - syms
+    return Program(plan, boxed(fw), boxed(bw), tangents, grads, saved, syms)

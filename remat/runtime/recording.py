@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from remat.passes._torch_compat import storage_of
+from remat.passes.sizes import Binding
 from remat.runtime.handed import Handed
 from remat.runtime.outside import OutsideMemory
 from remat.runtime.programs import Graph
@@ -17,11 +18,12 @@ from remat.solvers.step import Link
 
 @dataclass
 class Run:
-    """One run of a graph in the step: the program it took, and whether its backward ran
-    (or its autograd graph was freed without one)."""
+    """One run of a graph in the step: the program it took, the sizes it ran at, and
+    whether its backward ran (or its autograd graph was freed without one)."""
 
     graph: Graph
     program: int
+    binding: Binding = field(default_factory=dict)  # its sizes, where they are symbolic
     done: bool = False
 
 

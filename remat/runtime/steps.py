@@ -43,7 +43,8 @@ from remat.passes._torch_compat import (
     storage_of,
     tree_flatten,
 )
-from remat.planner import CompiledGraph
+from remat.passes.sizes import Binding, covers, describe, larger
+from remat.planner import CompiledGraph, GraphPlan
 from remat.runtime.joint import StepPlan, plan_step
 from remat.runtime.outside import OutsideMemory, push_if_not_top
 from remat.runtime.programs import Graph
@@ -54,15 +55,23 @@ from remat.solvers.solve import Solver
 
 log = logging.getLogger("remat")
 
+Replan = Callable[[CompiledGraph, Binding, int], GraphPlan]  # ``Planner.replan``
+
 
 class StepRunner:
     """Runs the graphs of one compiled model step by step (module docstring)."""
 
     def __init__(
-        self, budget: Budget, solver: str | Solver, cache: PlanCache | None = None
+        self,
+        budget: Budget,
+        solver: str | Solver,
+        cache: PlanCache | None = None,
+        replan: Replan | None = None,
     ) -> None:
         self.budget, self.solver = budget, solver
         self.cache = cache  # ``remat.cache``: a joint plan an earlier process made
+        # plans a graph with symbolic sizes again at larger ones (``Planner.replan``)
+        self.replan = replan
         self.graphs: dict[str, Graph] = {}
         self.plans: list[StepPlan] = []
         self.step: Recording | None = None
@@ -73,10 +82,11 @@ class StepRunner:
         self.from_call = True
         self._pending: OutsideMemory | None = None
         self._pending_inputs: tuple = ()
-        self._recorded_inputs: set[tuple] = set()  # input shapes of the steps recorded so far
+        self._recorded_inputs: list[tuple] = []  # input shapes of the steps recorded so far
         # tensors whose storages are resized outside the dispatcher (``OutsideMemory.watch``)
         self.resized: Callable[[], list[torch.Tensor]] = list
         self._live: dict[int, tuple[Recording, int]] = {}
+        self._sizes: dict[int, list] = {}  # a run's saved sizes, while AOTAutograd holds zeros
         self._warned: set[str] = set()
 
     def serve(
@@ -113,22 +123,27 @@ class StepRunner:
         def run(args: list):
             if _fake(args):  # DDP's optimizer runs graphs on fake tensors while compiling
                 return graph.programs[0].forward(args)
-            step = self._step(graph)
+            binding = graph.sizes.read(args) if graph.sizes else {}
+            if not covers(graph.binding, binding):
+                self._grow(graph, binding)
+            step = self._step(graph, binding)
             if any(r.done for r in step.runs) and not step.irregular:
                 step.irregular = f"{graph.name} ran after a backward of the same step"
-            k = self._choose(step, graph)
+            k = self._choose(step, graph, binding)
             step.section(self.resized())
             outs = list(graph.programs[k].forward(args))
+            self._runs += 1
+            if graph.sizes:
+                outs = self._in_compiled_layout(graph, k, outs)
             if step.outside is not None and not distributed():
                 # where the caller drops an output is seen per rank, and a step's solve is
                 # a collective: ranks that saw it differently would solve unequally often
                 step.watch_outputs(len(step.runs), graph, outs[: graph.num_fwd_outputs])
-            self._runs += 1
             marker = torch.empty((0, self._runs, k))
             weakref.finalize(marker, self._dropped, self._runs)
             outs.insert(graph.num_fwd_outputs, marker)
             self._live[self._runs] = (step, len(step.runs))
-            step.runs.append(Run(graph, k))
+            step.runs.append(Run(graph, k, binding))
             step.resume()
             return outs
 
@@ -139,11 +154,15 @@ class StepRunner:
         """The boxed backward AOTAutograd calls for ``graph``."""
 
         def run(args: list):
-            marker = args.pop(0)
+            # the first tensor: AOTAutograd passes the saved sizes (ints) before them
+            first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), 0)
+            marker = args.pop(first) if args else None
             if not (isinstance(marker, torch.Tensor) and marker.dim() == 3 and not marker.numel()):
                 raise AssertionError(f"remat {graph.name}: backward without its run's marker")
             run_id, k = marker.shape[1], marker.shape[2]
             program = graph.programs[k]
+            if graph.sizes:
+                args = self._in_program_layout(graph, k, args, run_id)
             found = self._live.pop(run_id, None)
             if found is None or found[0] is not self.step:
                 return program.backward(args)
@@ -170,15 +189,29 @@ class StepRunner:
 
     # ------------------------------------------------------------------ the step
 
-    def _step(self, first: Graph) -> Recording:
+    def _grow(self, graph: Graph, binding: Binding) -> None:
+        """``graph`` runs at sizes larger than it was planned for: planned again at sizes
+        covering both (warned once per graph: it costs a solve where the plan no longer
+        fits), before anything of the run allocates."""
+        if self.replan is None:
+            raise AssertionError(f"remat {graph.name}: sizes grew with no planner to replan")
+        grown = larger(graph.binding, binding)
+        log.info("remat %s: sizes grew to %s: planning again", graph.name, describe(grown))
+        with self.paused():
+            graph.grow(self.replan(graph.compiled, grown, self.held_now()), grown)
+
+    def _step(self, first: Graph, binding: Binding) -> Recording:
         """The step in progress, or a new one starting with ``first``: recorded when no
-        joint plan starts with it (a new input shape) or the last unplanned step was not."""
+        joint plan starts with it at sizes covering ``binding`` (new input shapes, or
+        larger sizes), or the last unplanned step was not."""
         if self.step is None:
-            known = any(p.graphs[0] == first.name for p in self.plans)
+            known = any(
+                p.graphs[0] == first.name and covers(p.bindings[0], binding) for p in self.plans
+            )
             record = self.record_next or not known
             pending, self._pending = self._pending, None
             if record and pending is not None:
-                self._recorded_inputs.add(self._pending_inputs)
+                self._recorded_inputs.append(self._pending_inputs)
             if record:
                 outside = pending or OutsideMemory()
             elif pending is not None:
@@ -194,14 +227,15 @@ class StepRunner:
         with dispatch_modes_off(OutsideMemory):
             yield
 
-    def _choose(self, step: Recording, graph: Graph) -> int:
+    def _choose(self, step: Recording, graph: Graph, binding: Binding) -> int:
         """The program of the step's next run: from the latest joint plan whose runs so far
-        are this step's, else the graph's compile-time one."""
+        are this step's and whose sizes cover this run's, else the graph's own plan."""
         prefix = (*step.signature, graph.name)
+        at = len(prefix) - 1
         for plan in reversed(self.plans):
-            if plan.graphs[: len(prefix)] == prefix:
-                return plan.programs[len(prefix) - 1]
-        return 0
+            if plan.graphs[: len(prefix)] == prefix and covers(plan.bindings[at], binding):
+                return plan.programs[at]
+        return graph.current
 
     @property
     def forwards_run(self) -> int:
@@ -222,7 +256,7 @@ class StepRunner:
         mine = self._counting()
         if self.from_call and mine is None and self.step is None and torch.is_grad_enabled():
             shapes = _shapes(inputs)
-            if self.record_next or shapes not in self._recorded_inputs:
+            if self.record_next or not any(_within(shapes, r) for r in self._recorded_inputs):
                 mine = self._pending = OutsideMemory()
                 self._pending_inputs = shapes
                 mine.resume()
@@ -254,8 +288,33 @@ class StepRunner:
         outside = self.step.outside
         return outside if outside is not None and outside.active else None
 
+    def _in_compiled_layout(self, graph: Graph, k: int, outs: list) -> list:
+        """Program ``k``'s forward outputs as AOTAutograd's runtime expects the compiled
+        program's: it counts the sizes handed over, and marks the saved tensors' symbolic
+        dimensions by their compile-time positions, both fixed at compile time, while a
+        later plan may save other tensors and sizes. So the sizes wait here, keyed by the
+        run, and the runtime gets as many tensors (empty ones added) and sizes (zeros) as
+        the compiled program gave it."""
+        program, compiled = graph.programs[k], graph.programs[0]
+        cut = len(outs) - program.syms
+        self._sizes[self._runs] = outs[cut:]
+        padding = max(compiled.saved - program.saved, 0)
+        return [*outs[:cut], *[_EMPTY] * padding, *[0] * compiled.syms]
+
+    def _in_program_layout(self, graph: Graph, k: int, args: list, run_id: int) -> list:
+        """``_in_compiled_layout`` undone for program ``k``'s backward, in place (the
+        program frees each argument after its last use, so no other list may hold them):
+        its own sizes first, then its saved tensors, then the rest."""
+        program, compiled = graph.programs[k], graph.programs[0]
+        padding = max(compiled.saved - program.saved, 0)
+        start = compiled.syms + program.saved
+        del args[start : start + padding]
+        args[: compiled.syms] = self._sizes.pop(run_id, ())
+        return args
+
     def _dropped(self, run_id: int) -> None:
         """A run's autograd graph was freed without its backward (its output dropped)."""
+        self._sizes.pop(run_id, None)
         found = self._live.pop(run_id, None)
         if found is None:
             return
@@ -273,7 +332,7 @@ class StepRunner:
             step.outside.stop()
             step.handed.ended = True
             step.peaks.append(last)
-        if any(p.graphs == step.signature for p in self.plans):
+        if any(self._serves(p, step) for p in self.plans):
             return
         if step.outside is None:
             self.record_next = True  # a new kind of step, not measured: record the next
@@ -292,11 +351,31 @@ class StepRunner:
             self.plans.append(plan_step(step, self.budget, self.solver, self.cache))
 
 
+    @staticmethod
+    def _serves(plan: StepPlan, step: Recording) -> bool:
+        """Whether ``plan`` serves steps like ``step``: the same runs, none larger."""
+        return plan.graphs == step.signature and all(
+            covers(b, r.binding) for b, r in zip(plan.bindings, step.runs, strict=True)
+        )
+
+
 def _shapes(inputs: Sequence) -> tuple:
     """The shapes and dtypes of the tensors in ``inputs`` (what a new plan is made for)."""
     return tuple(
         (tuple(t.shape), t.dtype) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
     )
+
+
+def _within(shapes: tuple, recorded: tuple) -> bool:
+    """Whether inputs of ``shapes`` are ``recorded``'s or smaller, dimension by dimension
+    (a plan made at sizes serves every smaller one: ``passes.sizes``)."""
+    return len(shapes) == len(recorded) and all(
+        dtype == d and len(shape) == len(s) and all(a <= b for a, b in zip(shape, s, strict=True))
+        for (shape, dtype), (s, d) in zip(shapes, recorded, strict=True)
+    )
+
+
+_EMPTY = torch.empty(0)  # a saved tensor that is only a place kept (``_in_compiled_layout``)
 
 
 def _fake(args: Sequence) -> bool:

@@ -3,6 +3,7 @@ under the eager compiler, run step by step (``remat.runtime``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -11,17 +12,21 @@ from remat.cache import PlanCache
 from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
 from remat.errors import InvalidOption
 from remat.passes._torch_compat import (
+    CompileContext,
     aot_autograd,
     boxed,
     compile_caches_off,
     custom_partitioner_base,
     inductor,
 )
+from remat.passes.sizes import describe
 from remat.planner import CompiledGraph, GraphPlan, Planner
 from remat.report import PlanReport
 from remat.runtime import StepRunner
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
+
+log = logging.getLogger("remat")
 
 
 class RematBackend:
@@ -58,7 +63,7 @@ class RematBackend:
             cache=cache,
             joint_follows=compiler == "eager",
         )
-        self.steps = StepRunner(budget, solver, cache)
+        self.steps = StepRunner(budget, solver, cache, replan=self.planner.replan)
 
     @property
     def graphs(self) -> list[GraphPlan]:
@@ -66,6 +71,15 @@ class RematBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
         self.compiles += 1
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is not None and compile_id.frame_compile_id:
+            log.info(
+                "remat: dynamo compiles a forward again (compile %s): a guard on its input "
+                "sizes or values failed, or another model runs the same code; where sizes "
+                "changed, the new graph has them symbolic and serves every size from now on "
+                "(TORCH_LOGS=recompiles: why)",
+                compile_id,
+            )
         leaves = _leaves_needing_grad(example_inputs)
         with self.steps.paused():  # planning mid-step allocates; the user's code did not
             if self.compiler == "inductor":
@@ -125,6 +139,14 @@ class InductorPartitioner(custom_partitioner_base()):
     def __call__(self, gm, joint_inputs, *, num_fwd_outputs: int, **_ignored):
         held = self.planner.held_by_earlier_frames()
         compiled = self.planner.plan(gm, num_fwd_outputs, leaves=self.leaves, held=held)
+        if compiled.sizes:
+            log.warning(
+                "remat %s: planned at %s, the sizes it was traced at; under inductor remat "
+                "sees no runs, so larger sizes run this plan and may exceed the budget "
+                "(compiler='eager' plans again as sizes grow)",
+                compiled.record.name,
+                describe(compiled.binding),
+            )
         return compiled.forward, compiled.backward
 
     def __deepcopy__(self, memo):
