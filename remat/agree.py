@@ -17,15 +17,13 @@ tensors, and needs no fake-mode guard inside a compile.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
 
 import torch.distributed as dist
 
 from remat.cache import PlanCache
 from remat.keys import digest
 from remat.solvers import InfeasibleBudget, Plan, Problem, evaluate, min_peak_plan, store_all
-
-Solver = Callable[[Problem, int], Plan]
+from remat.solvers.solve import Solver, solver_for
 
 
 def planning_solver(
@@ -43,8 +41,6 @@ def planning_solver(
 def agreeing(solver: str | Solver) -> Solver:
     """``solver`` whose outcome is rank 0's wherever ranks' outcomes differ: its plan, or
     its refusal (``InfeasibleBudget``), so every rank goes on alike."""
-    from remat.solvers.solve import solver_for
-
     run = solver_for(solver)
 
     def agreed(problem: Problem, limit: int) -> Plan:
