@@ -73,7 +73,8 @@ def _budget(text: str) -> Budget:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _size(text: str) -> tuple[str, Any]:
+def size_option(text: str) -> tuple[str, Any]:
+    """An argparse type for ``--size key=value`` (the benchmark scripts take it too)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip() or not key.strip().isidentifier():
         raise argparse.ArgumentTypeError(f"expected key=value (e.g. layers=4), got {text!r}")
@@ -145,7 +146,7 @@ def _model_options() -> argparse.ArgumentParser:
         "--size",
         metavar="KEY=VALUE",
         action="append",
-        type=_size,
+        type=size_option,
         default=[],
         help="keyword argument for the model factory, repeatable (e.g. --size layers=4); "
         "ints and floats are parsed, true/false/none too",
