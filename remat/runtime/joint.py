@@ -55,12 +55,16 @@ def plan_step(
     solver: str | Solver,
     cache: PlanCache | None,
     release: bool = True,
+    grown: StepPlan | None = None,
 ) -> StepPlan:
     """The joint plan of the recorded ``step`` under ``budget``, its limit resolved once
     against the composed problem's store-all peak; with ``release``, counting the outputs
     its caller dropped before the backwards as freed there (``Step.released``). A step of
-    one run whose compile-time plan already fits keeps it. ``InfeasibleBudget`` in the
-    step's terms where nothing fits."""
+    one run whose compile-time plan already fits keeps it; so does a step recorded because
+    its sizes grew past ``grown`` (the joint plan of the same runs at smaller sizes), with
+    ``grown``'s programs where they still fit, else its runs' own: sizes that grow cost a
+    solve only where neither fits. ``InfeasibleBudget`` in the step's terms where nothing
+    fits."""
     runs = step.runs
     composed, released = _composed(step, release)
     names = ", ".join(r.graph.name for r in runs)
@@ -69,7 +73,11 @@ def plan_step(
     log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
     store_all_peak = store_all(composed.problem).peak
     limit = budget.resolve(store_all_peak)
-    if len(runs) == 1 and first.peak <= limit:
+    kept = _kept_after_growth(composed, runs, grown, first, limit) if grown else None
+    if kept is not None:
+        plan, programs = kept
+        log.info("remat: step (%s) keeps its plan at larger sizes: %s", names, plan)
+    elif len(runs) == 1 and first.peak <= limit:
         compiled = runs[0].graph.programs[runs[0].program].plan
         plan = _kept(first, compiled, limit)
         programs = (runs[0].program,)
@@ -94,6 +102,20 @@ def plan_step(
     return StepPlan(
         signature, programs, composed, plan, first.peak, limit, store_all_peak, bindings
     )
+
+
+def _kept_after_growth(
+    composed: Composed, runs: list[Run], grown: StepPlan, first: Plan, limit: int
+) -> tuple[Plan, tuple[int, ...]] | None:
+    """The plan of a step whose sizes grew past ``grown``: ``grown``'s programs where they
+    still fit ``limit``, else those its runs ran (``first``); None where neither fits."""
+    ran = tuple(r.program for r in runs)
+    for programs, solver in ((grown.programs, grown.plan.solver), (ran, first.solver)):
+        plans = tuple(r.graph.programs[k].plan for r, k in zip(runs, programs, strict=True))
+        again = _as_run(composed, plans, solver.removesuffix(" (kept)") + " (kept)")
+        if again.peak <= limit:
+            return dataclasses.replace(again, limit=limit), programs
+    return None
 
 
 def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:

@@ -347,8 +347,11 @@ class StepRunner:
                     step.irregular,
                 )
             return
+        grown = next((p for p in reversed(self.plans) if p.graphs == step.signature), None)
         with self.paused():
-            self.plans.append(plan_step(step, self.budget, self.solver, self.cache))
+            self.plans.append(
+                plan_step(step, self.budget, self.solver, self.cache, grown=grown)
+            )
 
 
     @staticmethod
