@@ -6,8 +6,8 @@ passes), ``costs/`` (the cost model), ``runtime/`` (the step runner, memory meas
 ``api/`` (the whole pass through the public API, the plan cache), ``pipelines/`` (remat
 inside training pipelines, on several ranks, the scripts in ``examples/``), ``tools/``
 (CLI, bench, example models); checks over the whole source tree sit at the top. Each
-folder's ``conftest.py`` (but ``solvers/``'s) says what goes there. A test file's basename
-must be unique across the folders (pytest's default import mode, no ``__init__.py``)."""
+folder's ``conftest.py`` says what goes there. A test file's basename must be unique
+across the folders (pytest's default import mode, no ``__init__.py``)."""
 
 import pytest
 
