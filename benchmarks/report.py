@@ -481,7 +481,78 @@ def reversible_numerics(data: list[dict]) -> str:
     return table(headers, body)
 
 
+def _kind(data: list[dict], kind: str) -> list[dict]:
+    return [r for r in data if r.get("kind") == kind]
+
+
+def varying_sizes(data: list[dict], view: str | None) -> str:
+    """``varying_sizes.py``'s rows: per step (lengths, times, peaks, what remat did), or
+    (``summary``) per run."""
+    if view == "summary":
+        return columns(_kind(data, "summary"), [
+            ("run", "run", plain),
+            ("total s", "total s", fixed(1)),
+            ("median step s", "median step s", fixed(3)),
+            ("traces", "traces", plain),
+            ("plans", "plans", plain),
+            ("worst peak / budget", "worst peak / budget", fixed(3)),
+            ("grads equal", "grads equal", plain),
+            ("first trace+plan s", "first trace+plan s", fixed(1)),
+            ("serve a new size s", "serve a new size s (median)", fixed(3)),
+            ("total / (2 traces + 2x eager)", "total / (2 traces + 2x eager)", fixed(2)),
+        ])  # fmt: skip
+    steps = {(r["run"], r["step"]): r for r in _kind(data, "step")}
+    rows = []
+    for (run, step), r in sorted(steps.items(), key=lambda kv: kv[0][1]):
+        if run != "eager":
+            continue
+        remat, static = steps[("remat", step)], steps[("remat, static shapes", step)]
+        work = "trace+plan" if remat["traced"] else "plan" if remat["planned"] else ""
+        rows.append({
+            "step": step, "length": r["length"], "eager s": r["seconds"],
+            "eager peak": r["peak"], "remat s": remat["seconds"], "remat peak": remat["peak"],
+            "remat work": work, "static shapes s": static["seconds"],
+        })  # fmt: skip
+    return columns(rows, [
+        ("step", "step", plain),
+        ("length", "length", plain),
+        ("eager s", "eager s", fixed(3)),
+        ("eager peak", "eager peak", mib),
+        ("remat s", "remat s", fixed(3)),
+        ("remat peak", "remat peak", mib),
+        ("remat did", "remat work", plain),
+        ("remat, static shapes s", "static shapes s", fixed(3)),
+    ])  # fmt: skip
+
+
+def trainer_lengths(data: list[dict], view: str | None) -> str:
+    """``trainer_lengths.py``'s rows: the summary, or (``steps``) step by step."""
+    if view == "steps":
+        return columns(_kind(data, "step"), [
+            ("step", "step", plain),
+            ("eager s", "eager s", fixed(4)),
+            ("remat s", "remat s", fixed(4)),
+            ("remat did", "remat work", plain),
+            ("loss", "eager loss", fixed(4)),
+        ])  # fmt: skip
+    return columns(_kind(data, "summary"), [
+        ("steps", "steps", plain),
+        ("losses equal", "losses equal", plain),
+        ("eager median s", "eager median s", fixed(4)),
+        ("remat median s", "remat median s", fixed(4)),
+        ("median ratio", "median ratio", fixed(2)),
+        ("traces", "traces", plain),
+        ("steps that planned", "plans", plain),
+        ("slowest step not tracing / eager median", "slowest step not tracing / eager median",
+         fixed(2)),
+    ])  # fmt: skip
+
+
 def script_table(name: str, view: str | None, data) -> str:
+    if name.startswith("varying_sizes"):
+        return varying_sizes(data, view)
+    if name == "trainer_lengths":
+        return trainer_lengths(data, view)
     if name.startswith("solvers_"):
         return solver_pairs(data)
     if name == "space_time":

@@ -13,7 +13,7 @@ inputs that were resident before.
   deliberately not used: dynamo falls back to eager under an active dispatch mode, so it
   would measure a different program than the compiled one.
 
-CPU caveats (checked on torch 2.13, pinned by tests/remat/test_memory.py):
+CPU caveats (checked on torch 2.13, pinned by tests/runtime/test_memory.py):
 
 - Frees of memory allocated *before* the call are ignored, so the CPU peak is that of the
   memory allocated inside the call: an upper bound of the CUDA figure, equal to it unless the

@@ -48,7 +48,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 # What each name in the registries ``remat.costs.COST_MODELS`` and ``COMPILERS`` stands for
-# (the registries name them only); tests/remat/test_cli.py checks that every name has one.
+# (the registries name them only); tests/tools/test_cli.py checks that every name has one.
 COST_MODEL_TEXT = {
     "roofline": "estimated from each op's flops and bytes",
     "profile": "each distinct op timed on the device (slower to plan)",

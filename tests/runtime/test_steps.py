@@ -266,8 +266,10 @@ def test_a_graph_break_in_a_loop_is_planned_not_warned(caplog):
     with caplog.at_level(logging.WARNING, logger="remat"):
         peaks = _steps(lambda: _loss(optimized(x), y).backward(), model)
     report = optimized.remat.report()
-    (plan,) = report.steps
-    assert plan.runs > len(report.graphs)  # a graph rerun within the step
+    # the value the break hands over (``.item()``) changes, so dynamo traces the resumed
+    # block once more with it symbolic, and the steps after the first run that graph
+    plan = report.steps[-1]
+    assert plan.runs > len(set(plan.graphs))  # a graph rerun within the step
     assert max(peaks) <= report.predicted_peak <= plan.limit
     assert "cannot be planned as one" not in caplog.text
     _same_gradients(model, lambda: _loss(optimized(x), y).backward(), x, y)
