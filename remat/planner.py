@@ -9,8 +9,9 @@ everything run time (``remat.runtime``) needs of the graph, handed over explicit
 That plan is the graph's plan for the first step: dynamo compiles lazily, so the
 rest of the step is not known yet. An absolute budget shrinks by what the runs
 before it in the step hold (``held``); a fraction applies to the graph's own store-all
-peak. ``remat.runtime`` then plans the step as one. Graphs with symbolic input sizes
-are refused: a plan is for concrete shapes.
+peak. ``remat.runtime`` then plans the step as one. A graph with symbolic sizes is
+planned at the largest sizes seen (``passes.sizes``) and re-planned, from the same
+trace, when larger ones come (``Planner.replan``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import fx
 from remat import costs
 from remat.agree import planning_solver
 from remat.cache import PlanCache
+from remat.candidates import YOURS, cheaper_and_fits, still_fitting, user_plan
 from remat.costs import CostModel, check_cost_model
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
@@ -36,7 +38,6 @@ from remat.passes.extract import (
     extract,
     is_root_tangent,
     is_tangent,
-    user_recomputes,
 )
 from remat.passes.layouts import restore_traced_layouts
 from remat.passes.min_cut import torch_saved
@@ -45,10 +46,7 @@ from remat.passes.rng import replay_dropouts
 from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
 from remat.solvers import (
     InfeasibleBudget,
-    InvalidPlan,
     Plan,
-    Problem,
-    evaluate,
     format_bytes,
     held_bytes,
     min_peak_plan,
@@ -58,7 +56,6 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.budget import Budget
-from remat.solvers.heuristics import repaired
 from remat.solvers.solve import (
     CPSAT_SOLVERS,
     REPEATED_MIN_NODES,
@@ -70,7 +67,6 @@ from remat.solvers.solve import (
 log = logging.getLogger("remat")
 
 TORCH_CANDIDATE = "torch-min-cut"  # the name a plan taken from torch's partition carries
-YOURS = "your checkpointing"  # the name of the plan the user's own checkpointing makes
 
 
 @dataclass(frozen=True)
@@ -94,7 +90,7 @@ class GraphPlan:
     binding: tuple[tuple[str, int], ...] = ()
     # bytes kept free of its first-step plan for the code after it (``outside_reserve``)
     reserve: int = 0
-    # the plan the user's own checkpointing makes (``_user_plan``), where the graph has one
+    # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
     yours: Plan | None = None
 
     @property
@@ -246,11 +242,11 @@ class Planner:
         extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
-        yours = _user_plan(extracted, baseline)
+        yours = user_plan(extracted, baseline)
         reserve = outside_reserve(extracted)
         reference = baseline.peak if yours is None else min(baseline.peak, yours.peak)
         limit = self._graph_limit(reference, held, reserve)
-        plan = _still_fitting(problem, kept, limit)
+        plan = still_fitting(problem, kept, limit)
         if plan is None:
             candidates = (
                 functools.partial(self._candidates, joint, num_fwd_outputs, extracted, yours)
@@ -260,7 +256,7 @@ class Planner:
             plan = self._first_plan(
                 problem, limit, name, held + reserve, candidates, agree=not binding
             )
-            if self.solver == "auto" and _cheaper_and_fits(yours, plan, limit):
+            if self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
         solved_at = time.perf_counter()
         record = GraphPlan(
@@ -340,9 +336,10 @@ class Planner:
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits). Where
         none fits and the step is planned as one at its end (which then fits the budget or
-        names the step's minimum), the lowest-peak plan, unless the graph alone peaks over
-        an absolute budget (no step with it fits: refused before anything runs); else the
-        refusal. ``held``: what the rest of the step is counted to hold beside it."""
+        names the step's minimum), the lowest-peak plan; else the refusal. ``held``: what
+        the rest of the step is counted to hold beside it. (A graph alone over the budget
+        is no proof the step is: its problem holds its outputs and gradients to the step's
+        end, which the step's may not.)"""
         if not self.joint_follows:
             try:
                 return solve(problem, limit, self._cached(self.solver, agree), candidates)
@@ -354,14 +351,6 @@ class Planner:
         try:
             return solve(problem, limit, self._cached(solver, agree), candidates)
         except InfeasibleBudget:
-            lowest = min_peak_plan(problem)
-            if self.budget.nbytes is not None and lowest.peak > self.budget.nbytes:
-                raise InfeasibleBudget(
-                    self.budget.nbytes, lowest.peak, store_all(problem).peak, name,
-                    note="The step that runs it needs at least this graph's minimum, and "
-                    "what the rest of the step holds on top: a budget at that minimum may "
-                    "still be refused once the step has run, naming the step's.",
-                ) from None  # fmt: skip
             log.warning(
                 "remat %s: no plan fits what is left of the budget for it (%s; the rest of "
                 "the step is counted at %s): its first step runs its lowest-peak plan and "
@@ -370,7 +359,7 @@ class Planner:
                 format_bytes(limit),
                 format_bytes(held),
             )
-            return lowest
+            return min_peak_plan(problem)
 
     def _cached(self, solver: str | Solver, agree: bool = True) -> str | Solver:
         return planning_solver(solver, self.cache, agree)
@@ -463,43 +452,6 @@ def _with_the_rest(refusal: InfeasibleBudget, held: int) -> InfeasibleBudget:
     return InfeasibleBudget(
         r.limit + held, r.minimum + held, r.store_all + held, r.graph, r.proven, note=note
     )
-
-
-def _user_plan(extracted: Extracted, baseline: Plan) -> Plan | None:
-    """The plan the user's own checkpointing makes, where the graph has checkpointed
-    regions: everything store-all saves but what the regions recompute. A candidate for
-    ``auto`` (kept where it fits and costs less than remat's) and, with its peak, what a
-    fraction of a budget is of where that is below the store-all peak: budget 1.0 is at
-    most the program as the user wrote it."""
-    recomputed = user_recomputes(extracted)
-    if not recomputed:
-        return None
-    try:
-        return evaluate(extracted.problem, baseline.saved - recomputed, solver=YOURS)
-    except InvalidPlan:  # a tag on a value that may not be recomputed: not a plan remat runs
-        return None
-
-
-def _cheaper_and_fits(candidate: Plan | None, plan: Plan, limit: int) -> bool:
-    return candidate is not None and candidate.peak <= limit and candidate.cost < plan.cost
-
-
-def _still_fitting(problem: Problem, kept: Plan | None, limit: int) -> Plan | None:
-    """``kept`` (a plan of the same graph at smaller sizes) as a plan of ``problem``: as
-    it is where it fits ``limit``, else repaired to fit (``heuristics.repaired``: a flip
-    or a few, then polished), so sizes that grow cost milliseconds rather than a solve;
-    None where there is none, or no repair fits."""
-    if kept is None:
-        return None
-    name = kept.solver.removesuffix(" (kept)").removesuffix(" (repaired)")
-    order = kept.schedule.backward if kept.ordered else None
-    again = evaluate(problem, kept.saved, backward=order, solver=f"{name} (kept)", limit=limit)
-    if again.peak <= limit:
-        return again
-    if kept.ordered:  # a chain schedule's order is not repaired flip by flip
-        return None
-    fixed = repaired(problem, evaluate(problem, kept.saved, solver=f"{name} (repaired)"), limit)
-    return dataclasses.replace(fixed, limit=limit) if fixed.peak <= limit else None
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:
