@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from remat.planner import YOURS, GraphPlan
+from remat.candidates import YOURS
+from remat.planner import GraphPlan
 from remat.runtime import StepPlan
 from remat.solvers import Plan, format_bytes
 

@@ -108,7 +108,7 @@ def plan_step(
 
 def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:
     """What a fraction of the budget is of: the store-all peak, or the step as the user
-    wrote it where their own checkpointing peaks lower (``planner._user_plan``)."""
+    wrote it where their own checkpointing peaks lower (``candidates.user_plan``)."""
     if not any(r.graph.record.yours for r in runs):
         return store_all_peak
     plans = tuple(r.graph.record.yours or r.graph.record.store_all for r in runs)
