@@ -138,5 +138,3 @@ def hf_llama(
         return model, (torch.randint(0, vocab, (batch, seq), generator=gen),)
 
     return build(seed, device, make)
-
-

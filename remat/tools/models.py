@@ -335,5 +335,3 @@ def unet(
         return model, (x, target)
 
     return build(seed, device, make)
-
-
