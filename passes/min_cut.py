@@ -9,7 +9,9 @@ the partitioned forward's extra outputs; those that are not nodes of the problem
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from torch import fx
 
@@ -17,6 +19,9 @@ from ._torch_compat import graph_copy, min_cut_partition
 from .extract import Extracted
 
 log = logging.getLogger("remat")
+# where torch logs, as an error, an op its partitioner fails to run on fake tensors; the
+# failure is handled here (no candidate), so it is no error of the user's run
+FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 
 def torch_saved(
@@ -25,12 +30,24 @@ def torch_saved(
     """The problem indices torch's min-cut partition of ``joint`` saves; None where the
     partitioner fails on the graph (the candidate is then simply missing)."""
     try:  # at torch's default budget, whatever a user set for torch's own compiles
-        forward, _ = min_cut_partition(
-            graph_copy(joint), None, memory_budget=1.0, num_fwd_outputs=num_fwd_outputs
-        )
+        with _errors_unlogged(FAKE_TENSOR_LOG):
+            forward, _ = min_cut_partition(
+                graph_copy(joint), None, memory_budget=1.0, num_fwd_outputs=num_fwd_outputs
+            )
     except Exception as e:  # torch's partitioner is not ours to fix: plan without it
         log.info("remat %s: torch's partition failed (%s)", extracted.problem.name, e)
         return None
     index = {n.name: i for i, n in enumerate(extracted.problem.nodes)}
     outputs = forward.graph.output_node().args[0][num_fwd_outputs:]
     return frozenset(index[o.name] for o in outputs if isinstance(o, fx.Node) and o.name in index)
+
+
+@contextlib.contextmanager
+def _errors_unlogged(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -31,13 +31,12 @@ from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.candidates import YOURS, cheaper_and_fits, still_fitting, user_plan
 from remat.costs import CostModel, check_cost_model
+from remat.first_step import in_room, outside_reserve, own_plan, with_room
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import (
     Extracted,
     extract,
-    is_root_tangent,
-    is_tangent,
 )
 from remat.passes.layouts import restore_traced_layouts
 from remat.passes.min_cut import torch_saved
@@ -47,6 +46,7 @@ from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
 from remat.solvers import (
     InfeasibleBudget,
     Plan,
+    Problem,
     format_bytes,
     held_bytes,
     min_peak_plan,
@@ -88,7 +88,7 @@ class GraphPlan:
     leaves: frozenset[tuple[int, int]] = frozenset()
     # the sizes it was planned at, as (symbol, value), where its sizes are symbolic
     binding: tuple[tuple[str, int], ...] = ()
-    # bytes kept free of its first-step plan for the code after it (``outside_reserve``)
+    # bytes kept free of its first-step plan for the code after it (``first_step.outside_reserve``)
     reserve: int = 0
     # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
     yours: Plan | None = None
@@ -254,7 +254,7 @@ class Planner:
                 else lambda: {f"{kept.solver} (kept)": kept.saved}
             )
             plan = self._first_plan(
-                problem, limit, name, held + reserve, candidates, agree=not binding
+                problem, limit + reserve, name, held, candidates, not binding, reserve
             )
             if self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
@@ -327,39 +327,47 @@ class Planner:
 
     def _first_plan(
         self,
-        problem,
+        problem: Problem,
         limit: int,
         name: str,
         held: int,
-        candidates: Callable | None = None,
+        candidates: Callable[[], dict[str, frozenset[int]]],
         agree: bool = True,
+        reserve: int = 0,
     ) -> Plan:
-        """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits). Where
-        none fits and the step is planned as one at its end (which then fits the budget or
-        names the step's minimum), the lowest-peak plan; else the refusal. ``held``: what
-        the rest of the step is counted to hold beside it. (A graph alone over the budget
-        is no proof the step is: its problem holds its outputs and gradients to the step's
-        end, which the step's may not.)"""
-        if not self.joint_follows:
-            try:
-                return solve(problem, limit, self._cached(self.solver, agree), candidates)
-            except InfeasibleBudget as refusal:
-                raise _with_the_rest(refusal, held) from None
-        solver = self.solver
-        if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
-            solver = functools.partial(SOLVERS[solver], probes=0)
+        """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits) with
+        ``reserve`` bytes of room for the code after the graph (``remat.first_step``).
+        Where none fits and the step is planned as one at its end (which then fits the
+        budget or names the step's minimum), the lowest-peak plan; else the refusal.
+        ``held``: what earlier graphs of the step are counted to hold beside it. (A graph
+        alone over the budget is no proof the step is: its problem holds its outputs and
+        gradients to the step's end, which the step's may not.)"""
+        room = with_room(problem, reserve) if reserve else None
+        planned = problem if room is None else room.problem
+
+        def offered() -> dict[str, frozenset[int]]:
+            found = candidates()
+            return found if room is None else {k: in_room(room, v) for k, v in found.items()}
+
+        solver = self._cached(self.solver, agree)
+        if self.joint_follows and self.solver in CPSAT_SOLVERS:
+            # a refusal here names no minimum: skip that search
+            solver = self._cached(functools.partial(SOLVERS[self.solver], probes=0), agree)
         try:
-            return solve(problem, limit, self._cached(solver, agree), candidates)
-        except InfeasibleBudget:
+            plan = solve(planned, limit, solver, offered)
+        except InfeasibleBudget as refusal:
+            if not self.joint_follows:
+                raise _with_the_rest(refusal, held) from None
             log.warning(
                 "remat %s: no plan fits what is left of the budget for it (%s; the rest of "
                 "the step is counted at %s): its first step runs its lowest-peak plan and "
                 "may exceed the budget; the step is planned as one after it.",
                 name,
                 format_bytes(limit),
-                format_bytes(held),
+                format_bytes(held + reserve),
             )
-            return min_peak_plan(problem)
+            plan = min_peak_plan(planned)
+        return plan if room is None else own_plan(room, plan, problem)
 
     def _cached(self, solver: str | Solver, agree: bool = True) -> str | Solver:
         return planning_solver(solver, self.cache, agree)
@@ -417,24 +425,6 @@ class Planner:
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
         return CostModel.for_graph(self.cost_model, joint, _device_of(joint), self.compiler)
-
-
-# What code after a graph holds in a step not measured yet (its first): a loss over an
-# output the backward takes a gradient of holds about twice that output's bytes, its own
-# intermediate and the gradient it computes (measured: 1.75-1.8x on cross-entropy over
-# logits; docs/guide.md, "What the budget covers").
-OUTSIDE_PER_OUTPUT = 2
-
-
-def outside_reserve(extracted: Extracted) -> int:
-    """Bytes a first-step plan of the graph leaves free for the code after it: for each
-    output with a gradient that is not a scalar loss's, ``OUTSIDE_PER_OUTPUT`` times its
-    bytes. The step's joint plan, made once the step is measured, frees it."""
-    return OUTSIDE_PER_OUTPUT * sum(
-        node.bytes
-        for node, n in zip(extracted.problem.nodes, extracted.fx_nodes, strict=True)
-        if is_tangent(n) and not is_root_tangent(n)
-    )
 
 
 def _with_the_rest(refusal: InfeasibleBudget, held: int) -> InfeasibleBudget:

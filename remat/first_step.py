@@ -1,0 +1,57 @@
+"""The first step's room for the code after a graph: what a loss over its outputs holds,
+before anything of the step was measured.
+
+A graph's compile-time plan runs the first step; the step's joint plan, made from
+measurements once it ended, runs the rest (``remat.runtime``). Code after the graph (a
+loss on returned logits) holds memory the graph's problem does not see, so the first
+step's plan leaves room for it: ``outside_reserve`` bytes, live just before the graph's
+backward begins (the loss's forward and backward run there, while everything the forward
+saved is alive), as the step's own plan later counts the measured code outside
+(``solvers.step.Outside``). Room at that one moment, not through the whole step: the
+forward's peak and the backward's are the graph's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from remat.passes.extract import Extracted, is_root_tangent, is_tangent
+from remat.solvers import Plan, Problem, evaluate
+from remat.solvers.step import Composed, Outside, Step, compose, joint_saved, split, split_orders
+
+# What a loss over an output peaks at between the graph's forward and its backward, in
+# that output's bytes: cross-entropy's saved log-softmax, its gradient and the output's
+# gradient (measured 3.0x over float32 logits; docs/guide.md, "What the budget covers").
+OUTSIDE_PER_OUTPUT = 3
+
+
+def outside_reserve(extracted: Extracted) -> int:
+    """Bytes a first-step plan of the graph leaves free for the code after it: for each
+    output with a gradient that is not a scalar loss's, ``OUTSIDE_PER_OUTPUT`` times its
+    bytes."""
+    return OUTSIDE_PER_OUTPUT * sum(
+        node.bytes
+        for node, n in zip(extracted.problem.nodes, extracted.fx_nodes, strict=True)
+        if is_tangent(n) and not is_root_tangent(n)
+    )
+
+
+def with_room(problem: Problem, reserve: int) -> Composed:
+    """``problem`` as a step of one run whose code outside peaks at ``reserve`` bytes
+    between its forward and its backward; its plans are ``problem``'s (``own_plan``)."""
+    outside = Outside(level=(0, 0), peak=(0, reserve, 0))
+    return compose(Step((problem,), (0,), outside=outside), name=problem.name)
+
+
+def in_room(composed: Composed, saved: frozenset[int]) -> frozenset[int]:
+    """A saved set of the graph's problem as one of ``with_room``'s."""
+    return joint_saved(composed, (saved,))
+
+
+def own_plan(composed: Composed, plan: Plan, problem: Problem) -> Plan:
+    """``plan`` of ``with_room(problem, ...)`` as a plan of ``problem`` (its peak the
+    graph's own, without the room), keeping the solver's status and bound."""
+    (saved,) = split(composed, plan)
+    order = split_orders(composed, plan)[0] if plan.ordered else None
+    own = evaluate(problem, saved, backward=order, solver=plan.solver, limit=plan.limit)
+    return dataclasses.replace(own, status=plan.status, bound=plan.bound)
