@@ -97,8 +97,7 @@ def _imports_of(name: str, path: Path, tree: ast.AST, known: set[str]) -> set[st
 def _import_graph(modules: list[tuple[str, Path]]) -> dict[str, set[str]]:
     known = {name for name, _ in modules}
     return {
-        name: _imports_of(name, path, ast.parse(path.read_text()), known)
-        for name, path in modules
+        name: _imports_of(name, path, ast.parse(path.read_text()), known) for name, path in modules
     }
 
 
@@ -190,9 +189,7 @@ SOURCES = [p for _, p in _modules() if p != COMPAT] + SCRIPTS
 @pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(ROOT)) for p in SOURCES])
 def test_private_torch_only_through_the_compat_module(path):
     tree = ast.parse(path.read_text())
-    private = sorted(
-        {m for m in _imported(tree) + _torch_attribute_chains(tree) if _private(m)}
-    )
+    private = sorted({m for m in _imported(tree) + _torch_attribute_chains(tree) if _private(m)})
     assert not private, (
         f"{path.relative_to(ROOT)} reaches {private}: add a wrapper to "
         "passes/_torch_compat.py and use that"

@@ -19,6 +19,7 @@ import remat
 from remat import memory
 from remat.errors import InfeasibleBudget
 from remat.keys import digest
+from remat.passes._torch_compat import cpu_allocations
 from remat.solvers import greedy, min_peak_plan
 from remat.tools import examples
 
@@ -116,11 +117,63 @@ def ddp(rank: int, world: int, solver="auto") -> dict:
     return _train(model, optimized, reference, rank, world, local_grad=lambda p: p.grad)
 
 
+def ddp_in_use(rank: int, world: int) -> dict:
+    """``ddp``'s training measured as memory in use: one profiler session from before DDP
+    is built, so the buckets DDP replaces when it rebuilds them (in the second step's
+    forward) are seen freed; a window per step (``memory.peak``) sees the new buckets
+    allocated and not the old ones freed, allocated before it. Per step from the second,
+    the peak over what was live at its start (after ``zero_grad``). Planning runs inside
+    the session, so kernels' scratch is not measured: the model has none that matters."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, _ = examples.load("gpt", batch=BATCH, **SIZES)
+        optimized = remat.optimize(DistributedDataParallel(model, bucket_cap_mb=1), budget=0.9)
+        for step, (x, y) in enumerate(_batches(world)):
+            model.zero_grad(set_to_none=True)
+            torch.empty(_MARKS[step], dtype=torch.uint8)  # where the step starts
+            optimized(x[mine], y[mine]).backward()
+    report = optimized.remat.report()
+    return {
+        "in_use": _peaks_over_starts(cpu_allocations(prof))[1:],
+        "predicted": report.predicted_peak,
+        "budget": max(s.limit for s in report.steps),
+    }
+
+
+_MARKS = tuple(7_777_777 + 2 * k for k in range(STEPS))  # odd sizes no step allocates
+
+
+def _peaks_over_starts(events: list[tuple[int, int, int, int]]) -> list[int]:
+    """Per step, the peak of live bytes over those live at its start mark."""
+    live: dict[int, int] = {}
+    running, starts, peaks = 0, [], []
+    for _, _, ptr, size in sorted(events):
+        if size in _MARKS:
+            starts.append(running)
+            peaks.append(running)
+        elif -size in _MARKS:
+            continue
+        elif size > 0:
+            live[ptr] = size
+            running += size
+        elif ptr in live:
+            running -= live.pop(ptr)
+        if peaks:
+            peaks[-1] = max(peaks[-1], running)
+    return [p - s for p, s in zip(peaks, starts, strict=True)]
+
+
 def ddp_twice(rank: int, world: int) -> dict:
-    """``ddp`` with remat's default solver, then with ``rank_dependent`` (one spawn)."""
+    """``ddp`` with remat's default solver, then with ``rank_dependent``, then
+    ``ddp_in_use`` (one spawn)."""
     first = ddp(rank, world)
     torch._dynamo.reset()
-    return {"auto": first, "rank_dependent": ddp(rank, world, solver=rank_dependent)}
+    second = ddp(rank, world, solver=rank_dependent)
+    torch._dynamo.reset()
+    return {"auto": first, "rank_dependent": second, "in_use": ddp_in_use(rank, world)}
 
 
 def fsdp2(rank: int, world: int) -> dict:

@@ -169,9 +169,11 @@ def test_a_given_order_is_checked():
         schedule(problem, (), [i for i in order if i != core[0]])
     with pytest.raises(InvalidPlan, match="not have"):
         schedule(problem, (), (*order, len(problem.nodes)))
-    fixed = next(i for i in problem.forward_nodes if not problem.nodes[i].recomputable) if any(
-        not problem.nodes[i].recomputable for i in problem.forward_nodes
-    ) else None
+    fixed = (
+        next(i for i in problem.forward_nodes if not problem.nodes[i].recomputable)
+        if any(not problem.nodes[i].recomputable for i in problem.forward_nodes)
+        else None
+    )
     if fixed is not None:
         with pytest.raises(InvalidPlan, match="may not be recomputed"):
             schedule(problem, (), (fixed, *order))
