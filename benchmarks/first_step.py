@@ -14,7 +14,8 @@ who knows their step's memory would read it. Per model, budget and compiler:
 2. ``first / budget``: the first step once more, from a reset dynamo and that cache, so it
    runs exactly the plans a first step runs while the profiler measures its peak (planning
    inside the profiler would measure no kernel scratch: ``remat.memory``). Its gradients
-   are compared with eager's (``grad error``: largest difference over eager's largest).
+   are compared with eager's (``grad error``: the largest difference over eager's largest
+   gradient).
 3. ``later / budget``: the largest measured peak of steps 2 to 4.
 4. ``later step / eager``: the median time of three later steps over eager's.
 
@@ -120,6 +121,9 @@ def _seconds(fn, rounds: int = 3) -> float:
 
 
 def _grad_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """The largest gradient difference over eager's largest gradient (as ``remat bench``
+    compares them: a gradient that is zero in exact arithmetic, such as attention's key
+    bias, differs by rounding alone, which is large only next to itself)."""
     pairs = [
         (p.grad, q.grad)
         for p, q in zip(model.parameters(), reference.parameters(), strict=True)
@@ -127,7 +131,8 @@ def _grad_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
     ]
     if any(g is None for g, _ in pairs):
         return float("inf")
-    return max(float((g - r).abs().max() / (r.abs().max() + 1e-30)) for g, r in pairs)
+    scale = max(float(r.abs().max()) for _, r in pairs)
+    return max(float((g - r).abs().max()) for g, r in pairs) / (scale + 1e-30)
 
 
 def row(name: str, build, fraction: float, compiler: str) -> dict:

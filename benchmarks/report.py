@@ -258,6 +258,12 @@ def _gap_or_refusal(row: dict) -> str:
     return percent(2)(row.get("remat gap"))
 
 
+def _first_or_refusal(row: dict) -> str:
+    if row.get("refused"):
+        return f"refused: {row['refused']}"
+    return fixed(3)(row.get("first / budget"))
+
+
 def _remat_plan_s(row: dict) -> float | None:
     if "remat solve s" not in row:
         return None
@@ -317,6 +323,18 @@ SCRIPT_TABLES: dict[str, list] = {
         ("plan cost", "remat plan cost", significant),
         ("gap", _gap_or_refusal, plain),
         ("predicted peak", "remat predicted peak", mib),
+    ],
+    "first_step": [
+        ("model", "model", plain),
+        ("compiler", "compiler", plain),
+        ("budget (of eager's peak)", "budget", plain),
+        ("eager peak", "eager peak", mib),
+        ("first step / budget", _first_or_refusal, plain),
+        ("later steps / budget", "later / budget", fixed(3)),
+        ("grad error", "grad error", significant),
+        ("first step s", "first step s", fixed(1)),
+        ("first step / later", "first step / later", fixed(0)),
+        ("later step / eager", "later step / eager", fixed(2)),
     ],
     "step_with_graph_break": [
         ("fraction of eager", "fraction of eager", plain),
