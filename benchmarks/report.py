@@ -333,8 +333,6 @@ SCRIPT_TABLES: dict[str, list] = {
         ("later steps / budget", "later / budget", fixed(3)),
         ("grad error", "grad error", significant),
         ("first step s", "first step s", fixed(1)),
-        ("first step / later", "first step / later", fixed(0)),
-        ("later step / eager", "later step / eager", fixed(2)),
     ],
     "step_with_graph_break": [
         ("fraction of eager", "fraction of eager", plain),
