@@ -20,10 +20,14 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules
 from torch._guards import CompileContext, CompileId
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+try:  # a size's hint, read without adding a guard
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch 2.11 and 2.12 name it size_hint
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 __all__ = [
     "after_backward",
