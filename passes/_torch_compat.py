@@ -31,6 +31,7 @@ except ImportError:  # torch 2.11 and 2.12 name it size_hint
 
 __all__ = [
     "after_backward",
+    "backward_holds_tangents",
     "BackendCompilerFailed",
     "CompileContext",
     "CompileId",
@@ -214,6 +215,17 @@ def compile_caches_off(activation_memory_budget: float | None = None) -> Iterato
 
 
 # ----------------------------------------------------------------------------- autograd
+
+
+def backward_holds_tangents() -> bool:
+    """Whether a compiled graph's backward keeps every tangent it is fed until it returns.
+
+    Since autograd can hand a ``Function``'s backward its gradients in a list the backward
+    may empty (``boxed_grads_call``), AOTAutograd's backward drops each tangent before
+    running the compiled program, which then frees it after its last use. Where autograd
+    has no such call (torch 2.11), the backward takes the tangents as a tuple that holds
+    them until it returns."""
+    return not hasattr(torch.autograd.Function, "boxed_grads_call")
 
 
 def after_backward(callback) -> None:
