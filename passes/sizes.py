@@ -84,16 +84,19 @@ def _sizes_of(val: Any) -> Sequence:
 @dataclass(frozen=True)
 class Sizes:
     """The size symbols of a program's inputs, where to read each off them (a
-    ``(position, dimension)``; dimension None: the input is the size itself), and the
-    value each was traced at. Empty for a graph of static sizes."""
+    ``(position, dimension)``; dimension None: the input is the size itself), the value
+    each was traced at, and every input dimension each stands for (``appears``). Empty
+    for a graph of static sizes."""
 
     where: tuple[tuple[sympy.Symbol, int, int | None], ...] = ()
     traced: tuple[int, ...] = ()
+    appears: tuple[tuple[sympy.Symbol, int, int | None], ...] = ()
 
     @classmethod
     def of(cls, program: fx.GraphModule) -> Sizes:
-        """The symbols ``program``'s placeholders carry, each where it first appears."""
+        """The symbols ``program``'s placeholders carry, each read where it first appears."""
         seen: dict[sympy.Symbol, tuple[int, int | None, int]] = {}
+        appears = []
         for k, node in enumerate(program.graph.find_nodes(op="placeholder")):
             val = node.meta.get("val")
             if isinstance(val, torch.SymInt):
@@ -104,10 +107,12 @@ class Sizes:
                 continue
             for d, size in dims:
                 expr = size.node.expr if isinstance(size, torch.SymInt) else None
-                if isinstance(expr, sympy.Symbol) and expr not in seen:
-                    seen[expr] = (k, d, int(optimization_hint(size, fallback=UNBACKED)))
+                if isinstance(expr, sympy.Symbol):
+                    appears.append((expr, k, d))
+                    if expr not in seen:
+                        seen[expr] = (k, d, int(optimization_hint(size, fallback=UNBACKED)))
         where = tuple((s, k, d) for s, (k, d, _) in seen.items())
-        return cls(where, tuple(v for _, _, v in seen.values()))
+        return cls(where, tuple(v for _, _, v in seen.values()), tuple(appears))
 
     def __bool__(self) -> bool:
         return bool(self.where)
@@ -118,9 +123,17 @@ class Sizes:
             s: int(args[k]) if d is None else int(args[k].shape[d]) for s, k, d in self.where
         }
 
-    def hints(self) -> dict[sympy.Symbol, int]:
-        """The binding the program was traced at."""
-        return {s: v for (s, _, _), v in zip(self.where, self.traced, strict=True)}
+    def hints(self, seen: Sequence[tuple | None] = ()) -> dict[sympy.Symbol, int]:
+        """The binding the program was traced at, each size raised to the largest an
+        earlier trace of the same code saw at an input dimension it stands for (``seen``:
+        per input, its largest dimensions, or its value for a size; None where unknown)."""
+        out = {s: v for (s, _, _), v in zip(self.where, self.traced, strict=True)}
+        for s, k, d in self.appears:
+            earlier = seen[k] if k < len(seen) else None
+            dim = 0 if d is None else d
+            if earlier is not None and dim < len(earlier) and earlier[dim] is not None:
+                out[s] = max(out[s], earlier[dim])
+        return out
 
 
 def covers(planned: Binding, binding: Binding) -> bool:

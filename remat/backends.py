@@ -65,6 +65,8 @@ class RematBackend:
             joint_follows=compiler == "eager",
         )
         self.steps = StepRunner(budget, solver, cache, replan=self.planner.replan)
+        # (dynamo frame, input name) -> the largest sizes its traces had (``_largest_seen``)
+        self._largest: dict[tuple, tuple] = {}
 
     @property
     def graphs(self) -> list[GraphPlan]:
@@ -82,15 +84,38 @@ class RematBackend:
                 compile_id,
             )
         leaves = _leaves_needing_grad(example_inputs)
+        seen = self._largest_seen(gm, example_inputs, compile_id)
         with self.steps.paused():  # planning mid-step allocates; the user's code did not
             if self.compiler == "inductor":
                 # Caches would skip the partitioner on a hit, leaving no plan to report.
                 with compile_caches_off():
-                    partition = InductorPartitioner(self.planner, leaves)
+                    partition = InductorPartitioner(self.planner, leaves, seen)
                     return inductor(gm, example_inputs, partitioner=partition)
-            return self._compile_eager(gm, example_inputs, leaves)
+            return self._compile_eager(gm, example_inputs, leaves, seen)
 
-    def _compile_eager(self, gm, example_inputs, leaves: frozenset[tuple[int, int]]):
+    def _largest_seen(self, gm, example_inputs, compile_id) -> list[tuple | None]:
+        """Per input of ``gm``, the largest sizes (or value, for a size) the traces of its
+        frame have had there so far, this one's included: a graph traced with symbolic
+        sizes is planned at least at the sizes its static trace ran at (``Sizes.hints``).
+        Inputs are matched by dynamo's names for them (a symbolic trace adds size inputs,
+        so positions shift)."""
+        frame = None if compile_id is None else compile_id.frame_id
+        names = [p.name for p in gm.graph.find_nodes(op="placeholder")]
+        seen = []
+        for name, value in zip(names, example_inputs, strict=False):
+            key, now = (frame, name), _concrete(value)
+            earlier = self._largest.get(key, now)
+            if now is not None and len(earlier) == len(now):
+                self._largest[key] = tuple(
+                    max((v for v in pair if v is not None), default=None)
+                    for pair in zip(now, earlier, strict=True)
+                )
+            seen.append(self._largest.get(key))
+        return seen
+
+    def _compile_eager(
+        self, gm, example_inputs, leaves: frozenset[tuple[int, int]], seen: list
+    ):
         """AOTAutograd with remat's partition: the graph it plans goes to the step runner,
         whose forward and backward run it. The runner takes the graph when its forward is
         compiled, not at the partition: AOTAutograd may edit the programs in between
@@ -99,7 +124,9 @@ class RematBackend:
 
         def partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_ignored):
             held = self.steps.held_now()
-            compiled = self.planner.plan(joint, num_fwd_outputs, leaves=leaves, held=held)
+            compiled = self.planner.plan(
+                joint, num_fwd_outputs, leaves=leaves, held=held, seen=seen
+            )
             add_marker_slot(compiled.forward, compiled.backward, num_fwd_outputs)
             planned.append(compiled)
             return compiled.forward, compiled.backward
@@ -120,6 +147,15 @@ class RematBackend:
         return PlanReport(tuple(self.planner.graphs), tuple(self.steps.plans))
 
 
+def _concrete(value) -> tuple[int | None, ...] | None:
+    """An input's sizes as numbers (None for a symbolic one), or a size input's value."""
+    if isinstance(value, torch.Tensor):
+        return tuple(None if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    return None
+
+
 def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
     """(identity, bytes) of the inputs autograd accumulates a gradient into (parameters):
     ``GraphPlan.leaves``."""
@@ -134,13 +170,20 @@ class InductorPartitioner(custom_partitioner_base()):
     """Adapter for ``torch._inductor.config.custom_partitioner_fn``: plans each joint graph
     with what earlier frames of the step hold (remat sees no runs under inductor)."""
 
-    def __init__(self, planner: Planner, leaves: frozenset[tuple[int, int]] = frozenset()):
+    def __init__(
+        self,
+        planner: Planner,
+        leaves: frozenset[tuple[int, int]] = frozenset(),
+        seen: Sequence[tuple | None] = (),
+    ):
         self.planner = planner
-        self.leaves = leaves
+        self.leaves, self.seen = leaves, seen
 
     def __call__(self, gm, joint_inputs, *, num_fwd_outputs: int, **_ignored):
         held = self.planner.held_by_earlier_frames()
-        compiled = self.planner.plan(gm, num_fwd_outputs, leaves=self.leaves, held=held)
+        compiled = self.planner.plan(
+            gm, num_fwd_outputs, leaves=self.leaves, held=held, seen=self.seen
+        )
         if compiled.sizes:
             log.warning(
                 "remat %s: planned at %s, the sizes it was traced at; under inductor remat "

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,7 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.budget import Budget
+from remat.solvers.heuristics import repaired
 from remat.solvers.solve import (
     CPSAT_SOLVERS,
     REPEATED_MIN_NODES,
@@ -149,6 +150,7 @@ class Planner:
         *,
         leaves: frozenset[tuple[int, int]] = frozenset(),
         held: int = 0,
+        seen: Sequence[tuple | None] = (),
     ) -> CompiledGraph:
         """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
         rewrite it into programs.
@@ -157,7 +159,8 @@ class Planner:
         (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes
         the runs before it in the step hold while it runs, which an absolute budget
         leaves it less of. A graph with symbolic sizes is planned at the sizes it was
-        traced at (``passes.sizes``); ``replan`` plans it again at larger ones.
+        traced at, or larger ones an earlier trace of its code ran at (``seen``, per input
+        of the joint graph: ``Sizes.hints``); ``replan`` plans it again at larger ones.
         """
         start = time.perf_counter()
         name = f"graph{len({g.name for g in self.graphs})}"
@@ -176,7 +179,7 @@ class Planner:
                 copied,
             )
             sizes = Sizes.of(joint)
-            binding = sizes.hints()
+            binding = sizes.hints(seen)
             prepared = time.perf_counter()
             record = self._plan_at(joint, num_fwd_outputs, name, binding, held, leaves, compile_id)
             solved = time.perf_counter()
@@ -386,14 +389,21 @@ class Planner:
 
 
 def _still_fitting(problem: Problem, kept: Plan | None, limit: int) -> Plan | None:
-    """``kept`` (a plan of the same graph at smaller sizes) as a plan of ``problem``, where
-    it fits ``limit``; None where it does not, or there is none."""
+    """``kept`` (a plan of the same graph at smaller sizes) as a plan of ``problem``: as
+    it is where it fits ``limit``, else repaired to fit (``heuristics.repaired``: a flip
+    or a few, then polished), so sizes that grow cost milliseconds rather than a solve;
+    None where there is none, or no repair fits."""
     if kept is None:
         return None
+    name = kept.solver.removesuffix(" (kept)").removesuffix(" (repaired)")
     order = kept.schedule.backward if kept.ordered else None
-    solver = kept.solver if kept.solver.endswith(" (kept)") else f"{kept.solver} (kept)"
-    again = evaluate(problem, kept.saved, backward=order, solver=solver, limit=limit)
-    return again if again.peak <= limit else None
+    again = evaluate(problem, kept.saved, backward=order, solver=f"{name} (kept)", limit=limit)
+    if again.peak <= limit:
+        return again
+    if kept.ordered:  # a chain schedule's order is not repaired flip by flip
+        return None
+    fixed = repaired(problem, evaluate(problem, kept.saved, solver=f"{name} (repaired)"), limit)
+    return dataclasses.replace(fixed, limit=limit) if fixed.peak <= limit else None
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

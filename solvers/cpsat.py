@@ -54,7 +54,7 @@ from ortools.sat.python import cp_model
 from .cuts import explain, forbid, forbid_saved_set
 from .errors import InfeasibleBudget
 from .exact import add_points
-from .heuristics import descend, fill, greedy, nearest_fit
+from .heuristics import fill, greedy, repaired
 from .linear_bound import solve_lp
 from .plan import Plan, evaluate, with_bound
 from .problem import Problem
@@ -299,12 +299,8 @@ class _Search:
             self.best, self.polished = plan, polished
 
     def repair(self, plan: Plan) -> Plan:
-        """An overflowing answer pushed under the budget (by its cheapest single flip
-        that fits, else ``descend``), then polished back up."""
-        fixed = nearest_fit(self.problem, plan, self.limit)
-        if fixed is None:
-            fixed = descend(self.problem, plan, self.limit)
-        return fill(self.problem, fixed, self.limit) if fixed.peak <= self.limit else fixed
+        """An overflowing answer pushed under the limit (``heuristics.repaired``)."""
+        return repaired(self.problem, plan, self.limit)
 
     def solve(self, relax: Relaxation, seconds: float, gap_limit: float = 0.0):
         """One CP-SAT solve: (status, its answer simulated or None, deterministic time).

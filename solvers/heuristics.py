@@ -233,6 +233,16 @@ def nearest_fit(problem: Problem, plan: Plan, target: int) -> Plan | None:
     return min((t for t in fits if t.peak <= target), key=lambda t: (t.cost, t.peak), default=None)
 
 
+def repaired(problem: Problem, plan: Plan, limit: int) -> Plan:
+    """``plan`` pushed under ``limit`` (by its cheapest single flip that fits, else
+    ``descend``), then polished back up with ``fill``: the repair of a plan that misses a
+    limit it was not made for. Over ``limit`` still where ``descend`` cannot get under."""
+    fixed = nearest_fit(problem, plan, limit)
+    if fixed is None:
+        fixed = descend(problem, plan, limit)
+    return fill(problem, fixed, limit) if fixed.peak <= limit else fixed
+
+
 def _flips_at_peak(problem: Problem, plan: Plan, movable: frozenset[int]) -> list[int]:
     """Values whose flip (save a recomputed one, recompute a saved one) can move the peak:
     movable, recomputable, their storage live at the peak."""

@@ -15,6 +15,7 @@ from remat.runtime.handed import keeping, own_order
 from remat.runtime.recording import Recording, Run
 from remat.solvers import InfeasibleBudget, Plan, evaluate, solve, store_all
 from remat.solvers.budget import Budget
+from remat.solvers.heuristics import repaired
 from remat.solvers.solve import Solver
 from remat.solvers.step import (
     Composed,
@@ -109,14 +110,27 @@ def _kept_after_growth(
     composed: Composed, runs: list[Run], grown: StepPlan, first: Plan, limit: int
 ) -> tuple[Plan, tuple[int, ...]] | None:
     """The plan of a step whose sizes grew past ``grown``: ``grown``'s programs where they
-    still fit ``limit``, else those its runs ran (``first``); None where neither fits."""
+    still fit ``limit``, else those its runs ran (``first``), else ``grown``'s plan
+    repaired to fit (``heuristics.repaired``); None where none fits."""
     ran = tuple(r.program for r in runs)
-    for programs, solver in ((grown.programs, grown.plan.solver), (ran, first.solver)):
+    name = grown.plan.solver.removesuffix(" (kept)").removesuffix(" (repaired)")
+    candidates = ((grown.programs, f"{name} (kept)"), (ran, f"{first.solver} (kept)"))
+    for programs, solver in candidates:
         plans = tuple(r.graph.programs[k].plan for r, k in zip(runs, programs, strict=True))
-        again = _as_run(composed, plans, solver.removesuffix(" (kept)") + " (kept)")
+        again = _as_run(composed, plans, solver)
         if again.peak <= limit:
             return dataclasses.replace(again, limit=limit), programs
-    return None
+    plans = tuple(r.graph.programs[k].plan for r, k in zip(runs, grown.programs, strict=True))
+    start = _as_run(composed, plans, f"{name} (repaired)")
+    if start.ordered:  # a chain schedule's order is not repaired flip by flip
+        return None
+    fixed = repaired(composed.problem, start, limit)
+    if fixed.peak > limit:
+        return None
+    programs = _programs(composed, fixed, runs)
+    plans = tuple(r.graph.programs[k].plan for r, k in zip(runs, programs, strict=True))
+    again = _as_run(composed, plans, fixed.solver)  # what the programs run, checked
+    return (dataclasses.replace(again, limit=limit), programs) if again.peak <= limit else None
 
 
 def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:
