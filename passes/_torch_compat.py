@@ -10,6 +10,8 @@ directly.
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -50,6 +52,7 @@ with needed():
 __all__ = [
     "SUPPORTED",
     "needed",
+    "graph_copy",
     "after_backward",
     "backward_holds_tangents",
     "BackendCompilerFailed",
@@ -207,6 +210,15 @@ def custom_partitioner_base() -> type:
         from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     return CustomPartitionerFn
+
+
+def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``gm``, without the ``FutureWarning`` torch's own pytree specs in its
+    metadata raise when copied (``isinstance(treespec, LeafSpec)``): torch's deprecation,
+    nothing a user of remat can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        return copy.deepcopy(gm)
 
 
 def min_cut_partition(

@@ -14,11 +14,15 @@ from typing import Protocol
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from remat.solvers import Node, Problem
 
 from ._torch_compat import backward_holds_tangents, mutated_inputs
 from .sizes import Binding, hint, reading_at
+
+# the tags torch's checkpointing leaves on the nodes it recomputes
+RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 class NodeFacts(Protocol):
@@ -79,6 +83,31 @@ def is_root_tangent(node: fx.Node) -> bool:
         and bool(node.users)
         and isinstance(val, torch.Tensor)
         and hint(val.numel()) == 1
+    )
+
+
+def user_recomputes(extracted: Extracted) -> frozenset[int]:
+    """The values the user's own checkpointing recomputes (``torch.utils.checkpoint``, a
+    selective-checkpointing policy): traced, their nodes carry a recompute tag. A region's
+    outputs, which forward code outside it reads (a later region, an untagged op), are
+    kept as eager autograd keeps them (torch's partitioner saves them too)."""
+    nodes, problem = extracted.fx_nodes, extracted.problem
+    forward = {n for n, node in zip(nodes, problem.nodes, strict=True) if node.phase == "fwd"}
+    return frozenset(
+        i for i, n in enumerate(nodes) if _recomputed(n) and not _region_output(n, forward)
+    )
+
+
+def _recomputed(node: fx.Node) -> bool:
+    return node.meta.get("recompute") in RECOMPUTE
+
+
+def _region_output(node: fx.Node, forward: set[fx.Node]) -> bool:
+    """Whether forward code outside ``node``'s checkpointed region reads it."""
+    region = node.meta.get("ac_graph_id")
+    return any(
+        u in forward and (not _recomputed(u) or u.meta.get("ac_graph_id") != region)
+        for u in node.users
     )
 
 

@@ -32,6 +32,11 @@ from .sizes import hint
 
 aten = torch.ops.aten
 
+# node.meta key: the strides a tensor has at run time where they differ from its traced
+# ones and its readers read it as it is (a kernel measured on synthetic inputs lays it
+# out so: its scratch depends on the layouts it meets)
+RUN_STRIDES = "remat_run_strides"
+
 # A kernel's real output strides (None for an output that is no tensor) where its inputs
 # are laid out as their fake values or as the mapping says; None where it cannot be run.
 KernelStrides = Callable[
@@ -79,6 +84,7 @@ def restore_traced_layouts(joint: fx.GraphModule, run_kernel: KernelStrides) -> 
             strides = produced[0]
         if strides is not None and isinstance(fake, torch.Tensor) and strides != _strides(fake):
             real[node] = strides
+            node.meta[RUN_STRIDES] = strides  # what measuring a reader's kernel lays it out as
     if copies:
         joint.recompile()
     return len(copies)

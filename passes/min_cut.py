@@ -9,12 +9,11 @@ the partitioned forward's extra outputs; those that are not nodes of the problem
 
 from __future__ import annotations
 
-import copy
 import logging
 
 from torch import fx
 
-from ._torch_compat import min_cut_partition
+from ._torch_compat import graph_copy, min_cut_partition
 from .extract import Extracted
 
 log = logging.getLogger("remat")
@@ -27,7 +26,7 @@ def torch_saved(
     partitioner fails on the graph (the candidate is then simply missing)."""
     try:  # at torch's default budget, whatever a user set for torch's own compiles
         forward, _ = min_cut_partition(
-            copy.deepcopy(joint), None, memory_budget=1.0, num_fwd_outputs=num_fwd_outputs
+            graph_copy(joint), None, memory_budget=1.0, num_fwd_outputs=num_fwd_outputs
         )
     except Exception as e:  # torch's partitioner is not ours to fix: plan without it
         log.info("remat %s: torch's partition failed (%s)", extracted.problem.name, e)

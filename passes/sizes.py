@@ -119,9 +119,7 @@ class Sizes:
 
     def read(self, args: Sequence) -> dict[sympy.Symbol, int]:
         """The binding ``args`` (the program's inputs, in order) give."""
-        return {
-            s: int(args[k]) if d is None else int(args[k].shape[d]) for s, k, d in self.where
-        }
+        return {s: int(args[k]) if d is None else int(args[k].shape[d]) for s, k, d in self.where}
 
     def hints(self, seen: Sequence[tuple | None] = ()) -> dict[sympy.Symbol, int]:
         """The binding the program was traced at, each size raised to the largest an

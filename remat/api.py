@@ -160,9 +160,7 @@ def optimize(
     if isinstance(model, nn.Module):
         return _compiled_copy(model, rb, on_failure, dynamic)  # ``optimized.remat`` is ``rb``
     if not callable(model):
-        raise TypeError(
-            f"optimize expects an nn.Module or a function, got {type(model).__name__}"
-        )
+        raise TypeError(f"optimize expects an nn.Module or a function, got {type(model).__name__}")
     name = getattr(model, "__qualname__", type(model).__name__)
     compiled = _guarded(
         torch.compile(model, backend=rb, dynamic=dynamic), rb, name, model, on_failure

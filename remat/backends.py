@@ -113,9 +113,7 @@ class RematBackend:
             seen.append(self._largest.get(key))
         return seen
 
-    def _compile_eager(
-        self, gm, example_inputs, leaves: frozenset[tuple[int, int]], seen: list
-    ):
+    def _compile_eager(self, gm, example_inputs, leaves: frozenset[tuple[int, int]], seen: list):
         """AOTAutograd with remat's partition: the graph it plans goes to the step runner,
         whose forward and backward run it. The runner takes the graph when its forward is
         compiled, not at the partition: AOTAutograd may edit the programs in between

@@ -9,8 +9,9 @@ everything run time (``remat.runtime``) needs of the graph, handed over explicit
 That plan is the graph's plan for the first step: dynamo compiles lazily, so the
 rest of the step is not known yet. An absolute budget shrinks by what the runs
 before it in the step hold (``held``); a fraction applies to the graph's own store-all
-peak. ``remat.runtime`` then plans the step as one. Graphs with symbolic input sizes
-are refused: a plan is for concrete shapes.
+peak. ``remat.runtime`` then plans the step as one. A graph with symbolic sizes is
+planned at the largest sizes seen (``passes.sizes``) and re-planned, from the same
+trace, when larger ones come (``Planner.replan``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ from torch import fx
 from remat import costs
 from remat.agree import planning_solver
 from remat.cache import PlanCache
+from remat.candidates import YOURS, cheaper_and_fits, still_fitting, user_plan
 from remat.costs import CostModel, check_cost_model
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
-from remat.passes.extract import Extracted, extract
+from remat.passes.extract import (
+    Extracted,
+    extract,
+    is_root_tangent,
+    is_tangent,
+)
 from remat.passes.layouts import restore_traced_layouts
 from remat.passes.min_cut import torch_saved
 from remat.passes.rewrite import rewrite
@@ -40,8 +47,6 @@ from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
 from remat.solvers import (
     InfeasibleBudget,
     Plan,
-    Problem,
-    evaluate,
     format_bytes,
     held_bytes,
     min_peak_plan,
@@ -51,7 +56,6 @@ from remat.solvers import (
     store_all,
 )
 from remat.solvers.budget import Budget
-from remat.solvers.heuristics import repaired
 from remat.solvers.solve import (
     CPSAT_SOLVERS,
     REPEATED_MIN_NODES,
@@ -84,6 +88,10 @@ class GraphPlan:
     leaves: frozenset[tuple[int, int]] = frozenset()
     # the sizes it was planned at, as (symbol, value), where its sizes are symbolic
     binding: tuple[tuple[str, int], ...] = ()
+    # bytes kept free of its first-step plan for the code after it (``outside_reserve``)
+    reserve: int = 0
+    # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
+    yours: Plan | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -234,15 +242,22 @@ class Planner:
         extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
-        limit = self._graph_limit(baseline.peak, held)
-        plan = _still_fitting(problem, kept, limit)
+        yours = user_plan(extracted, baseline)
+        reserve = outside_reserve(extracted)
+        reference = baseline.peak if yours is None else min(baseline.peak, yours.peak)
+        limit = self._graph_limit(reference, held, reserve)
+        plan = still_fitting(problem, kept, limit)
         if plan is None:
             candidates = (
-                functools.partial(self._candidates, joint, num_fwd_outputs, extracted)
+                functools.partial(self._candidates, joint, num_fwd_outputs, extracted, yours)
                 if kept is None
                 else lambda: {f"{kept.solver} (kept)": kept.saved}
             )
-            plan = self._first_plan(problem, limit, name, held, candidates, agree=not binding)
+            plan = self._first_plan(
+                problem, limit, name, held + reserve, candidates, agree=not binding
+            )
+            if self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
+                plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
         solved_at = time.perf_counter()
         record = GraphPlan(
             name,
@@ -255,6 +270,8 @@ class Planner:
             compile_id=compile_id,
             leaves=leaves,
             binding=tuple(sorted((str(s), v) for s, v in binding.items())),
+            reserve=reserve,
+            yours=yours,
         )
         self.graphs.append(record)
         return record
@@ -285,21 +302,28 @@ class Planner:
         return sum(held_bytes(g.extracted.problem, g.plan) for g in latest.values())
 
     def _candidates(
-        self, joint: fx.GraphModule, num_fwd_outputs: int, extracted: Extracted
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        extracted: Extracted,
+        yours: Plan | None = None,
     ) -> dict[str, frozenset[int]]:
-        """torch's own partition as a candidate plan, for the ``auto`` solver on graphs
-        below ``REPEATED_MIN_NODES`` (above, its partition takes longer than remat's plan:
-        docs/benchmarks.md, "Planning at LLM depth")."""
-        if self.solver != "auto" or len(extracted.problem) >= REPEATED_MIN_NODES:
+        """For the ``auto`` solver, the plan of the user's own checkpointing (``yours``)
+        and, on graphs below ``REPEATED_MIN_NODES``, torch's own partition (above, it
+        takes longer than remat's plan: docs/benchmarks.md, "Planning at LLM depth")."""
+        if self.solver != "auto":
             return {}
+        found = {} if yours is None else {YOURS: yours.saved}
+        if len(extracted.problem) >= REPEATED_MIN_NODES:
+            return found
 
         def partition() -> dict[str, frozenset[int]]:
             saved = torch_saved(joint, num_fwd_outputs, extracted)
             return {} if saved is None else {TORCH_CANDIDATE: saved}
 
         if self.cache is None:
-            return partition()
-        return self.cache.candidates(joint, num_fwd_outputs, partition)
+            return {**found, **partition()}
+        return {**found, **self.cache.candidates(joint, num_fwd_outputs, partition)}
 
     def _first_plan(
         self,
@@ -312,9 +336,15 @@ class Planner:
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits). Where
         none fits and the step is planned as one at its end (which then fits the budget or
-        names the step's minimum), the lowest-peak plan; else the refusal."""
+        names the step's minimum), the lowest-peak plan; else the refusal. ``held``: what
+        the rest of the step is counted to hold beside it. (A graph alone over the budget
+        is no proof the step is: its problem holds its outputs and gradients to the step's
+        end, which the step's may not.)"""
         if not self.joint_follows:
-            return solve(problem, limit, self._cached(self.solver, agree), candidates)
+            try:
+                return solve(problem, limit, self._cached(self.solver, agree), candidates)
+            except InfeasibleBudget as refusal:
+                raise _with_the_rest(refusal, held) from None
         solver = self.solver
         if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
             solver = functools.partial(SOLVERS[solver], probes=0)
@@ -322,9 +352,9 @@ class Planner:
             return solve(problem, limit, self._cached(solver, agree), candidates)
         except InfeasibleBudget:
             log.warning(
-                "remat %s: no plan fits what is left of the budget for it (%s; the runs "
-                "before it in the step hold %s): its first step runs its lowest-peak plan "
-                "and may exceed the budget; the step is planned as one after it.",
+                "remat %s: no plan fits what is left of the budget for it (%s; the rest of "
+                "the step is counted at %s): its first step runs its lowest-peak plan and "
+                "may exceed the budget; the step is planned as one after it.",
                 name,
                 format_bytes(limit),
                 format_bytes(held),
@@ -377,33 +407,51 @@ class Planner:
         )
         return extracted
 
-    def _graph_limit(self, store_all_peak: int, held: int) -> int:
-        """This graph's share of the budget in its first step: a fraction applies to its
-        own store-all peak, bytes are what the ``held`` bytes of earlier runs leave."""
+    def _graph_limit(self, store_all_peak: int, held: int, reserve: int) -> int:
+        """This graph's share of the budget in its first step: bytes are what the ``held``
+        bytes of earlier runs and the ``reserve`` for the code after it leave; a fraction
+        applies to its own store-all peak with the reserve, less the reserve."""
         if self.budget.fraction is not None:
-            return self.budget.resolve(store_all_peak)
-        return max(self.budget.nbytes - held, 1)
+            return max(self.budget.resolve(store_all_peak + reserve) - reserve, 1)
+        return max(self.budget.nbytes - held - reserve, 1)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
         return CostModel.for_graph(self.cost_model, joint, _device_of(joint), self.compiler)
 
 
-def _still_fitting(problem: Problem, kept: Plan | None, limit: int) -> Plan | None:
-    """``kept`` (a plan of the same graph at smaller sizes) as a plan of ``problem``: as
-    it is where it fits ``limit``, else repaired to fit (``heuristics.repaired``: a flip
-    or a few, then polished), so sizes that grow cost milliseconds rather than a solve;
-    None where there is none, or no repair fits."""
-    if kept is None:
-        return None
-    name = kept.solver.removesuffix(" (kept)").removesuffix(" (repaired)")
-    order = kept.schedule.backward if kept.ordered else None
-    again = evaluate(problem, kept.saved, backward=order, solver=f"{name} (kept)", limit=limit)
-    if again.peak <= limit:
-        return again
-    if kept.ordered:  # a chain schedule's order is not repaired flip by flip
-        return None
-    fixed = repaired(problem, evaluate(problem, kept.saved, solver=f"{name} (repaired)"), limit)
-    return dataclasses.replace(fixed, limit=limit) if fixed.peak <= limit else None
+# What code after a graph holds in a step not measured yet (its first): a loss over an
+# output the backward takes a gradient of holds about twice that output's bytes, its own
+# intermediate and the gradient it computes (measured: 1.75-1.8x on cross-entropy over
+# logits; docs/guide.md, "What the budget covers").
+OUTSIDE_PER_OUTPUT = 2
+
+
+def outside_reserve(extracted: Extracted) -> int:
+    """Bytes a first-step plan of the graph leaves free for the code after it: for each
+    output with a gradient that is not a scalar loss's, ``OUTSIDE_PER_OUTPUT`` times its
+    bytes. The step's joint plan, made once the step is measured, frees it."""
+    return OUTSIDE_PER_OUTPUT * sum(
+        node.bytes
+        for node, n in zip(extracted.problem.nodes, extracted.fx_nodes, strict=True)
+        if is_tangent(n) and not is_root_tangent(n)
+    )
+
+
+def _with_the_rest(refusal: InfeasibleBudget, held: int) -> InfeasibleBudget:
+    """A graph's refusal in the budget's terms: its limit and minimum with ``held``, what
+    the rest of the step is counted to hold beside it (a graph's plan is its last word
+    where no step is planned as one: under inductor)."""
+    if not held:
+        return refusal
+    r = refusal
+    note = (
+        f"That counts {format_bytes(held)} for the rest of the step beside the graph (what "
+        "earlier graphs keep, and room for the code after it: docs/guide.md, 'What the "
+        "budget covers')."
+    )
+    return InfeasibleBudget(
+        r.limit + held, r.minimum + held, r.store_all + held, r.graph, r.proven, note=note
+    )
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

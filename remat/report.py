@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
+from remat.candidates import YOURS
 from remat.planner import GraphPlan
 from remat.runtime import StepPlan
 from remat.solvers import Plan, format_bytes
@@ -56,6 +57,7 @@ class PlanReport:
     def rows(self) -> list[dict]:
         out = []
         symbolic = any(g.binding for g in self.graphs)
+        checkpointed = any(g.yours for g in self.graphs)
         for g in self.graphs:
             p, problem = g.plan, g.extracted.problem
             fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
@@ -75,6 +77,7 @@ class PlanReport:
                     "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
                     "step (est.)": f"{g.step_seconds:.3g}s",
                     "solver": solver_label(p),
+                    **({"your checkpointing": _yours(g)} if checkpointed else {}),
                     "plan time": f"{g.plan_seconds:.2f}s",
                 }
             )
@@ -94,3 +97,18 @@ def solver_label(plan: Plan) -> str:
     gap = "" if plan.gap is None else f", gap {plan.gap:.1%} over single recomputation"
     multiple = ", multiple recomputation" if plan.multiple else ""
     return f"{plan.solver} ({plan.status}{gap}{multiple})"
+
+
+def _yours(g: GraphPlan) -> str:
+    """What became of the user's own checkpointing in graph ``g``: its plan's peak, and
+    kept, or replaced by a plan that costs less, or by one under a budget it exceeds."""
+    y = g.yours
+    if y is None:
+        return "-"
+    if g.plan.solver == YOURS:
+        verdict = "kept"
+    elif y.peak > g.limit:
+        verdict = "over the budget: replaced"
+    else:
+        verdict = f"replaced by a plan {1 - g.plan.cost / max(y.cost, 1e-12):.0%} cheaper"
+    return f"peak {format_bytes(y.peak)}, {verdict}"

@@ -38,7 +38,7 @@ class InfeasibleBudget(RematError, ValueError):
         note: str = "",
     ) -> None:
         self.limit, self.minimum, self.store_all = limit, minimum, store_all
-        self.proven = proven
+        self.graph, self.proven = graph, proven
         where = f" for {graph}" if graph.startswith("step") else f" for graph {graph}"
         proof = (
             " No plan that recomputes each value at most once fits this budget (proven by "

@@ -189,7 +189,9 @@ def solve(
             instead, under its name and with the solver's bound (a bound on every plan);
             one ``schedule`` refuses is skipped. Called only where the solver's bound
             does not prove its plan within ``GAP_LIMIT`` of every plan: a candidate
-            could save no more than CP-SAT itself stops short of.
+            could save no more than CP-SAT itself stops short of; and where the solver
+            finds no plan under ``limit``, whose refusal a fitting candidate overrules
+            (the cheapest is returned, without a bound).
 
     Returns:
         The plan: what it saves and recomputes, its programs' order, its predicted peak
@@ -238,7 +240,13 @@ def solve(
             "Budget.parse(budget).resolve(store_all(problem).peak)"
         )
     with _no_cycle_collection():
-        plan = _checked(problem, _run_or_greedy(fn, problem, limit, solver), solver)
+        try:
+            plan = _checked(problem, _run_or_greedy(fn, problem, limit, solver), solver)
+        except InfeasibleBudget:
+            fitting = _fitting(problem, limit, candidates() if candidates else {})
+            if fitting is None:
+                raise
+            return fitting
         if plan.peak > limit:
             minimum = min_peak_plan(problem).peak
             if minimum > limit:
@@ -269,6 +277,19 @@ def _cheapest(
                 seconds = plan.solve_seconds
                 plan = with_bound(other, plan.bound, solver=name, limit=limit, seconds=seconds)
     return plan
+
+
+def _fitting(
+    problem: Problem, limit: int, candidates: Mapping[str, Iterable[int]]
+) -> Plan | None:
+    """The cheapest of ``candidates`` that fits ``limit``, or None."""
+    plans = []
+    for name, saved in candidates.items():
+        try:
+            plans.append(evaluate(problem, saved, solver=name, limit=limit))
+        except InvalidPlan as e:
+            log.debug("remat %s: candidate %s skipped: %s", problem.name, name, e)
+    return min((p for p in plans if p.peak <= limit), key=lambda p: p.cost, default=None)
 
 
 def _run_or_greedy(fn: Solver, problem: Problem, limit: int, solver: str | Solver) -> object:

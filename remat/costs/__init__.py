@@ -159,6 +159,4 @@ def _fusible_readers(node: fx.Node) -> bool:
     """Every reader of ``node`` is a pointwise op, or a view whose readers all are."""
     if not node.users:
         return False
-    return all(
-        is_pointwise(u) or (is_view(u) and _fusible_readers(u)) for u in node.users
-    )
+    return all(is_pointwise(u) or (is_view(u) and _fusible_readers(u)) for u in node.users)

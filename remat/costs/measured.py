@@ -27,6 +27,7 @@ from remat.passes._torch_compat import (
     tree_flatten,
     tree_map,
 )
+from remat.passes.layouts import RUN_STRIDES
 
 from ._fx import hint, meta_val, tensors_of
 from .device import DeviceSpec, estimate_seconds
@@ -271,7 +272,8 @@ def kernel_memory(
     if not _runs_alone(node):
         return None
     dev = torch.device(device)
-    key = (node.target, _signature(node.args), _signature(node.kwargs), dev)
+    layouts = run_layouts(node)
+    key = (node.target, _signature(node.args), _signature(node.kwargs), dev, *layouts.values())
     if cache is not None and key in cache:
         return cache[key]
     if reads_opaque_buffer(node.target):
@@ -291,7 +293,7 @@ def kernel_memory(
     # only the outputs' storage is known (``scratch_measurable``).
     scratch_known = scratch_measurable(dev)
     try:
-        args, kwargs = _real_args(node, lambda _: dev)
+        args, kwargs = _real_args(node, lambda _: dev, layouts)
         inputs = {storage_of(t) for t in tree_flatten((args, kwargs))[0]}
         # A measured random op must not move the generator the step's masks come from.
         fork = [dev] if dev.type == "cuda" else []
@@ -321,6 +323,12 @@ def kernel_memory(
     if cache is not None:
         cache[key] = result
     return result
+
+
+def run_layouts(node: fx.Node) -> dict[fx.Node, tuple[int, ...]]:
+    """``node``'s inputs laid out at run time otherwise than traced, with those strides
+    (``passes.layouts``): its kernel is measured on inputs laid out as it will meet them."""
+    return {a: a.meta[RUN_STRIDES] for a in node.all_input_nodes if RUN_STRIDES in a.meta}
 
 
 def _runs_alone(node: fx.Node) -> bool:

@@ -62,7 +62,8 @@ def plan_step(
     """The joint plan of the recorded ``step`` under ``budget``, its limit resolved once
     against the composed problem's store-all peak; with ``release``, counting the outputs
     its caller dropped before the backwards as freed there (``Step.released``). A step of
-    one run whose compile-time plan already fits keeps it; so does a step recorded because
+    one run whose compile-time plan already fits keeps it, unless that plan left room for
+    code outside (``planner.outside_reserve``): now measured; so does a step recorded because
     its sizes grew past ``grown`` (the joint plan of the same runs at smaller sizes), with
     ``grown``'s programs where they still fit, else its runs' own: sizes that grow cost a
     solve only where neither fits. ``InfeasibleBudget`` in the step's terms where nothing
@@ -74,12 +75,12 @@ def plan_step(
     first = _as_run(composed, used, "compile-time")
     log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
     store_all_peak = store_all(composed.problem).peak
-    limit = budget.resolve(store_all_peak)
+    limit = budget.resolve(_reference(composed, runs, store_all_peak))
     kept = _kept_after_growth(composed, runs, grown, first, limit) if grown else None
     if kept is not None:
         plan, programs = kept
         log.info("remat: step (%s) keeps its plan at larger sizes: %s", names, plan)
-    elif len(runs) == 1 and first.peak <= limit:
+    elif len(runs) == 1 and first.peak <= limit and not runs[0].graph.record.reserve:
         compiled = runs[0].graph.programs[runs[0].program].plan
         plan = _kept(first, compiled, limit)
         programs = (runs[0].program,)
@@ -104,6 +105,15 @@ def plan_step(
     return StepPlan(
         signature, programs, composed, plan, first.peak, limit, store_all_peak, bindings
     )
+
+
+def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:
+    """What a fraction of the budget is of: the store-all peak, or the step as the user
+    wrote it where their own checkpointing peaks lower (``candidates.user_plan``)."""
+    if not any(r.graph.record.yours for r in runs):
+        return store_all_peak
+    plans = tuple(r.graph.record.yours or r.graph.record.store_all for r in runs)
+    return min(store_all_peak, _as_run(composed, plans, "yours").peak)
 
 
 def _kept_after_growth(

@@ -356,10 +356,7 @@ class StepRunner:
             return
         grown = next((p for p in reversed(self.plans) if p.graphs == step.signature), None)
         with self.paused():
-            self.plans.append(
-                plan_step(step, self.budget, self.solver, self.cache, grown=grown)
-            )
-
+            self.plans.append(plan_step(step, self.budget, self.solver, self.cache, grown=grown))
 
     @staticmethod
     def _serves(plan: StepPlan, step: Recording) -> bool:

@@ -49,7 +49,8 @@ class Progress:
 
 
 class _PlannerLog(logging.Handler):
-    """While active, the ``remat`` logger's INFO lines (one per planned graph) are progress."""
+    """While active, the ``remat`` logger's INFO lines (one per planned graph) and warnings
+    are progress; ``--quiet`` silences both (errors still end the command, in one line)."""
 
     def __init__(self, progress: Progress) -> None:
         super().__init__(logging.INFO)
@@ -61,7 +62,9 @@ class _PlannerLog(logging.Handler):
         self.progress(f"  {record.getMessage()}")
 
     def __enter__(self):
-        if not self.progress.quiet:
+        if self.progress.quiet:
+            self.logger.setLevel(logging.ERROR)
+        else:
             self.logger.addHandler(self)
             if not self.logger.isEnabledFor(logging.INFO):
                 self.logger.setLevel(logging.INFO)

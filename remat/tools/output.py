@@ -205,7 +205,7 @@ def dot(graphs, *, with_plan: bool = False) -> str:
     """The joint graphs as Graphviz DOT, one cluster per graph: a box per value (name, op,
     bytes) and an edge per read. ``with_plan`` fills each graph's saved values blue and
     its recomputed ones orange (backward values grey, the rest white)."""
-    lines = ["digraph remat {", "  rankdir=TB;", '  node [shape=box, style=filled, fontsize=9];']
+    lines = ["digraph remat {", "  rankdir=TB;", "  node [shape=box, style=filled, fontsize=9];"]
     for k, g in enumerate(graphs):
         problem, plan = g.extracted.problem, g.plan
         lines += [f"  subgraph cluster_{k} {{", f'    label="{_dot_text(g.name)}";']

@@ -228,11 +228,32 @@ FOUND = [
                 return v7.square().mean() + v4.square().mean()
         """
     ),
+    # the kernels after the difference meet it too: gelu's backward, measured on inputs
+    # laid out as traced, allocated a second buffer when laid out as at run time
+    # (costs.measured.run_layouts); 1,992 B measured against 1,592 predicted before
+    _found(
+        """
+        class FuzzModel(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m1 = nn.BatchNorm1d(2)
+                self.m2 = nn.BatchNorm1d(8)
+                self.m3 = nn.Linear(8, 4)
+                self.m4 = nn.Linear(8, 4)
+
+            def forward(self, v0, ids, idx, gidx):
+                v3 = self.m2(self.m1(v0).transpose(1, 2))
+                v7 = self.m3(F.gelu(v3).transpose(1, 2)).flatten(1)
+                return v7.index_select(-1, idx).square().mean() + self.m4(v7).square().mean()
+        """
+    ),
 ]
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-@pytest.mark.parametrize("spec", FOUND, ids=["batchnorm-transposed", "then-relu-conv"])
+@pytest.mark.parametrize(
+    "spec", FOUND, ids=["batchnorm-transposed", "then-relu-conv", "then-gelu-backward"]
+)
 def test_found_models_train_as_eager_within_the_budget(spec, fraction):
     check_model(spec, fraction)
 
