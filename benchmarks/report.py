@@ -306,6 +306,12 @@ def solver_pairs(data: list[dict]) -> str:
     )
 
 
+def _test_name(failure: str) -> str:
+    """``tests.solvers.test_cpsat::test_x[0.5]`` -> ``test_cpsat::test_x[0.5]``."""
+    module, sep, name = failure.partition("::")
+    return f"{module.rpartition('.')[2]}{sep}{name}"
+
+
 SCRIPT_TABLES: dict[str, list] = {
     "planning_llm_depth": [
         ("layers", "layers", plain),
@@ -375,6 +381,17 @@ SCRIPT_TABLES: dict[str, list] = {
         ("predicted", "predicted", _bytes_exact),
         ("budget", "budget", _bytes_exact),
         ("parameters", "parameters", _bytes_exact),
+    ],
+    "torch_versions": [
+        ("torch", "installed", plain),
+        ("torch kept by pip install -e .", lambda r: "yes" if r["torch kept"] else "no", plain),
+        ("passed", "passed", count),
+        ("failed", "failed", count),
+        ("skipped", "skipped", count),
+        ("fast tests s", "tests s", fixed(0)),
+        ("main job", "main job", plain),
+        ("main job s", "main job s", fixed(0)),
+        ("failed tests", lambda r: ", ".join(map(_test_name, r["failures"])), plain),
     ],
     "fsdp2": [
         ("budget", "budget", plain),
@@ -564,6 +581,24 @@ def trainer_lengths(data: list[dict], view: str | None) -> str:
     ])  # fmt: skip
 
 
+def cuda_check(data: dict) -> str:
+    """benchmarks/cuda_check.py's result: the device, each bench table as ``remat bench``
+    prints it, then every check, and what the deadline left unmeasured."""
+    m = data["machine"]
+    sizes = ", ".join(f"{k} {v}" for k, v in m["sizes"].items())
+    parts = [f"{m['device name']} (CUDA {m['cuda']}), torch {m['torch']}; {sizes}."]
+    for b in data["bench"]:
+        parts.append(f"`{b['model']}`, {b['dtype']}:\n\n{bench_table(b)}")
+    checks = [("bench " + b["model"] + " " + b["dtype"], b["checks"]) for b in data["bench"]]
+    checks += [(name, data[name]["checks"]) for name in ("dropout", "reversible") if name in data]
+    body = [
+        [s, c["check"], "ok" if c["ok"] else "FAILED", c["detail"]] for s, cs in checks for c in cs
+    ]
+    parts.append(table(["section", "check", "verdict", "detail"], body))
+    parts += [f"Not measured: {what}." for what in data.get("not measured", [])]
+    return "\n\n".join(parts)
+
+
 def script_table(name: str, view: str | None, data) -> str:
     if name.startswith("varying_sizes"):
         return varying_sizes(data, view)
@@ -577,6 +612,8 @@ def script_table(name: str, view: str | None, data) -> str:
         return hf_zoo(data)
     if name == "reversible_numerics":
         return reversible_numerics(data)
+    if name == "cuda_check":
+        return cuda_check(data)
     return columns(data, SCRIPT_TABLES[name])
 
 

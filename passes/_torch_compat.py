@@ -16,20 +16,45 @@ from collections.abc import Iterator
 
 import torch
 from torch import fx
-from torch._dynamo import config as dynamo_config
-from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
-from torch._guards import CompileContext, CompileId
-from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+SUPPORTED = ">=2.11,<2.16"  # the torch releases remat runs on (pyproject.toml declares it)
+
+
+@contextlib.contextmanager
+def needed() -> Iterator[None]:
+    """Around imports of torch's private names: where the installed torch lacks one, an
+    ``ImportError`` naming that release, what it lacks and the releases remat runs on,
+    raised when remat is imported or when the call that first needs the name runs."""
+    try:
+        yield
+    except ImportError as e:
+        raise ImportError(
+            f"remat cannot run on torch {torch.__version__}: {e}; remat runs on torch{SUPPORTED}"
+        ) from None
+
+
+with needed():
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    from torch._guards import CompileContext, CompileId
+    from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    try:  # a size's hint, read without adding a guard
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch 2.11 and 2.12 name it size_hint
+        from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 __all__ = [
+    "SUPPORTED",
+    "needed",
     "graph_copy",
     "after_backward",
+    "backward_holds_tangents",
     "BackendCompilerFailed",
     "CompileContext",
     "CompileId",
@@ -88,7 +113,8 @@ def extract_fwd_bwd_modules(
 def boxed(gm: fx.GraphModule):
     """Compile ``gm`` to plain Python that takes one list and clears it, so each input
     can be freed right after its last use (as torch's aot_eager does)."""
-    from torch._dynamo.backends.debugging import boxed_nop
+    with needed():
+        from torch._dynamo.backends.debugging import boxed_nop
 
     return boxed_nop(gm, [])
 
@@ -107,7 +133,8 @@ def mutated_inputs(joint: fx.GraphModule) -> set[fx.Node]:
 def real_tensors():
     """Context in which tensors are real even inside a compile (where a FakeTensorMode
     is active): needed to measure ops on the device while planning."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with needed():
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
 
@@ -137,7 +164,8 @@ def is_torch_assert(target) -> bool:
 def is_python_random(target) -> bool:
     """Whether ``target`` is a python-level torch function that draws random numbers
     (``torch.rand`` & co., in torch IR graphs rather than aten joint graphs)."""
-    import torch._library.utils as lib_utils
+    with needed():
+        import torch._library.utils as lib_utils
 
     return target in getattr(lib_utils, "_RANDOM_FUNCTIONS", ())
 
@@ -157,7 +185,8 @@ def storage_key(t: torch.Tensor) -> int:
 def aot_autograd(**kwargs):
     """dynamo's AOTAutograd backend factory (``fw_compiler``, ``bw_compiler``,
     ``partition_fn``)."""
-    from torch._dynamo.backends.common import aot_autograd as make
+    with needed():
+        from torch._dynamo.backends.common import aot_autograd as make
 
     return make(**kwargs)
 
@@ -165,8 +194,9 @@ def aot_autograd(**kwargs):
 def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
     """Compile ``gm`` with inductor, partitioned by ``partitioner`` (a
     ``CustomPartitionerFn``) or, when None, by torch's own min-cut."""
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx
+    with needed():
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
 
     if partitioner is None:
         return compile_fx(gm, example_inputs)
@@ -176,7 +206,8 @@ def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
 
 def custom_partitioner_base() -> type:
     """inductor's ``CustomPartitionerFn``, the base a custom partitioner subclasses."""
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    with needed():
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     return CustomPartitionerFn
 
@@ -196,8 +227,9 @@ def min_cut_partition(
     """torch's ``min_cut_rematerialization_partition`` choosing from the ops inductor may
     recompute (its default set), for comparing against remat on the same graph; at
     ``activation_memory_budget = memory_budget`` where given, else at the configured one."""
-    from torch._functorch import config
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    with needed():
+        from torch._functorch import config
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     patch = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
     with config.patch(**patch):
@@ -211,8 +243,9 @@ def compile_caches_off(activation_memory_budget: float | None = None) -> Iterato
     """AOTAutograd's and inductor's caches off (a cache hit skips the partitioner, so a
     partition made under other settings would be reused), and torch's
     ``activation_memory_budget`` set while its min-cut partitions, when given."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
+    with needed():
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
 
     patches = {"enable_autograd_cache": False}
     if activation_memory_budget is not None:
@@ -222,6 +255,17 @@ def compile_caches_off(activation_memory_budget: float | None = None) -> Iterato
 
 
 # ----------------------------------------------------------------------------- autograd
+
+
+def backward_holds_tangents() -> bool:
+    """Whether a compiled graph's backward keeps every tangent it is fed until it returns.
+
+    Since autograd can hand a ``Function``'s backward its gradients in a list the backward
+    may empty (``boxed_grads_call``), AOTAutograd's backward drops each tangent before
+    running the compiled program, which then frees it after its last use. Where autograd
+    has no such call (torch 2.11), the backward takes the tangents as a tuple that holds
+    them until it returns."""
+    return not hasattr(torch.autograd.Function, "boxed_grads_call")
 
 
 def after_backward(callback) -> None:
@@ -334,7 +378,8 @@ def cpu_allocations(prof) -> list[tuple[int, int, int, int]]:
     ``torch.profiler._memory_profiler`` uses), whose allocation events, unlike
     ``kineto_results.events()``, carry the block address.
     """
-    from torch._C._profiler import _EventType
+    with needed():
+        from torch._C._profiler import _EventType
 
     found = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from remat.solvers import Node, Problem
 
-from ._torch_compat import mutated_inputs
+from ._torch_compat import backward_holds_tangents, mutated_inputs
 from .sizes import Binding, hint, reading_at
 
 # the tags torch's checkpointing leaves on the nodes it recomputes
@@ -200,8 +200,11 @@ def extract(
     # loss) it holds until the backward returns: to the simulator a value kept to the end,
     # like a gradient. Larger ones (zeros for an output that gets no gradient, e.g. logits
     # returned beside the loss) reach the program only, which frees them after their last
-    # use: measured, holding one to the end over-predicted the peak by its size.
-    held = (index[n] for n in kept if is_root_tangent(n))
+    # use: measured, holding one to the end over-predicted the peak by its size. Where the
+    # backward holds every tangent until it returns (``backward_holds_tangents``), all are
+    # kept to the end.
+    held_tangent = is_tangent if backward_holds_tangents() else is_root_tangent
+    held = (index[n] for n in kept if held_tangent(n))
     grads += tuple(t for t in held if t not in grads)
     resident = _resident_bytes(graph_nodes)
     problem = Problem(

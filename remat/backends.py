@@ -23,6 +23,7 @@ from remat.passes.sizes import describe
 from remat.planner import CompiledGraph, GraphPlan, Planner
 from remat.report import PlanReport
 from remat.runtime import StepRunner
+from remat.runtime.programs import add_marker_slot
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
 
@@ -124,6 +125,7 @@ class RematBackend:
             compiled = self.planner.plan(
                 joint, num_fwd_outputs, leaves=leaves, held=held, seen=seen
             )
+            add_marker_slot(compiled.forward, compiled.backward, num_fwd_outputs)
             planned.append(compiled)
             return compiled.forward, compiled.backward
 

@@ -85,3 +85,29 @@ def test_links_into_the_page_land_on_its_headings():
     links += [(PAGE.relative_to(ROOT), a) for a in re.findall(r"\]\(#([\w-]+)\)", PAGE.read_text())]
     broken = [f"{path}: #{anchor}" for path, anchor in links if anchor not in anchors]
     assert not broken, f"links to headings docs/benchmarks.md does not have: {broken}"
+
+
+def test_a_cuda_check_renders_its_tables_checks_and_what_it_left(report):
+    row = {"method": "remat", "budget": 0.5, "solver": "auto", "peak_bytes": 3 << 20}
+    check = {"check": "remat auto @ 0.5 within its budget", "ok": False, "detail": "over"}
+    data = {
+        "machine": {"device name": "GPU", "cuda": "13.0", "torch": "2.11.0", "sizes": {}},
+        "bench": [{"model": "gpt", "dtype": "bfloat16", "rows": [row], "checks": [check]}],
+        "dropout": {
+            "checks": [{"check": "gradients bit for bit eager's", "ok": True, "detail": ""}]
+        },
+        "not measured": ["bench hf-gpt2 float32: past the deadline"],
+    }
+    page = report.script_table("cuda_check", None, data)
+    assert "GPU (CUDA 13.0), torch 2.11.0" in page and "`gpt`, bfloat16:" in page
+    assert "| remat | 0.5 | auto | 3.0 MiB |" in page
+    assert "| bench gpt bfloat16 | remat auto @ 0.5 within its budget | FAILED | over |" in page
+    assert "| dropout | gradients bit for bit eager's | ok |  |" in page
+    assert page.endswith("Not measured: bench hf-gpt2 float32: past the deadline.")
+
+
+def test_torch_versions_rows_name_their_failed_tests(report):
+    row = {"installed": "2.15.0+cu132", "torch kept": True, "passed": 700, "failed": 1}
+    row |= {"main job": "ok", "failures": ["tests.solvers.test_cpsat::test_x[0.5]"]}
+    page = report.script_table("torch_versions", None, [row])
+    assert "| 2.15.0+cu132 | yes | 700 | 1 |" in page and "test_cpsat::test_x[0.5] |" in page

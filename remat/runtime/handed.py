@@ -91,8 +91,8 @@ class Handed:
 
 
 def keeping(problem: Problem, freed: frozenset[int]) -> Problem:
-    """``problem`` holding the gradients ``freed`` only to the end of its backward (a last
-    node reads them), not to the end of the step."""
+    """``problem`` holding the gradients ``freed`` (or tangents the backward holds) only to
+    the end of its backward (a last node reads them), not to the end of the step."""
     if not freed:
         return problem
     keeper = Node("handed:gradients", "bwd", inputs=tuple(sorted(freed)), recomputable=False)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from remat.agree import planning_solver
 from remat.cache import PlanCache
+from remat.passes._torch_compat import backward_holds_tangents
 from remat.passes.sizes import Binding
 from remat.runtime.handed import keeping, own_order
 from remat.runtime.recording import Recording, Run
@@ -147,7 +148,8 @@ def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:
     runs = step.runs
     levels, peaks, freed = step.handed.planned(step.levels, step.peaks)
     problems = tuple(
-        keeping(r.graph.problem, freed.get(k, frozenset())) for k, r in enumerate(runs)
+        keeping(r.graph.problem, freed.get(k, frozenset()) | _held_tangents(r))
+        for k, r in enumerate(runs)
     )
     order = tuple(step.backward_order)
     accumulate = _accumulate(runs, order)
@@ -156,6 +158,15 @@ def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:
     shape = Step(problems, order, tuple(step.links), accumulate, outside, released)
     names = ", ".join(r.graph.name for r in runs)
     return compose(shape, name=f"step ({names})"), released
+
+
+def _held_tangents(run: Run) -> frozenset[int]:
+    """The tangent nodes of ``run`` where its backward holds them until it returns
+    (``backward_holds_tangents``): its graph's problem keeps them to its end, which in a
+    step is the end of that backward, not of the step."""
+    if not backward_holds_tangents():
+        return frozenset()
+    return frozenset(node for _arg, node in run.graph.programs[run.program].tangents)
 
 
 def _programs(composed: Composed, plan: Plan, runs: list[Run]) -> tuple[int, ...]:

@@ -7,14 +7,19 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
-from remat.passes._torch_compat import boxed
+from remat.passes._torch_compat import FakeTensor, boxed, real_tensors
 from remat.passes.extract import Extracted, is_symbolic, is_tangent
 from remat.passes.rewrite import rewrite
 from remat.passes.sizes import Binding, Sizes, no_guards
 from remat.planner import CompiledGraph, GraphPlan
 from remat.solvers import Plan, Problem
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
+MARKER = "remat_marker"  # the backward's input for its run's marker
 
 
 @dataclass
@@ -26,8 +31,9 @@ class Program:
     backward: Callable
     tangents: tuple[tuple[int, int], ...]  # (backward argument, problem node) per tangent
     grads: tuple[int | None, ...]  # problem node of each returned gradient
-    # what the forward hands over: ``saved`` tensors, then ``syms`` sizes (ints), which
-    # the backward takes first (AOTAutograd's layout)
+    # what the forward hands over: the marker's slot (``add_marker_slot``), ``saved``
+    # tensors, then ``syms`` sizes (ints), which the backward takes first (AOTAutograd's
+    # layout)
     saved: int = 0
     syms: int = 0
 
@@ -98,6 +104,7 @@ class Graph:
                 return k
         with no_guards(self.joint):
             fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
+        add_marker_slot(fw, bw, self.num_fwd_outputs)
         self.programs.append(make_program(plan, fw, bw, self.record.extracted))
         return len(self.programs) - 1
 
@@ -106,16 +113,48 @@ def _order(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return plan.schedule.forward, plan.schedule.backward
 
 
+def add_marker_slot(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Give a forward program an output, and its backward an input, for its run's marker
+    (``remat.runtime.steps``), in place: the first of the tensors the forward saves, an
+    empty one the run's marker replaces. AOTAutograd's runtime counts the tensors a forward
+    saves on the programs it compiles (torch 2.14 and later index a list of them by
+    position), so the marker must be among them there and in every program a run may take.
+    """
+    fake = _empty_fake(fw)
+    output = fw.graph.output_node()
+    with fw.graph.inserting_before(output):
+        slot = fw.graph.call_function(aten.empty.memory_format, ([0, 0, 0],), {"device": CPU})
+    slot.meta["val"] = fake
+    outs = list(output.args[0])
+    outs.insert(num_fwd_outputs, slot)
+    output.args = (tuple(outs),)
+    fw.recompile()
+    after_sizes = next(n for n in bw.graph.nodes if n.op != "placeholder" or not is_symbolic(n))
+    with bw.graph.inserting_before(after_sizes):
+        bw.graph.placeholder(MARKER).meta["val"] = fake
+    bw.recompile()
+
+
+def _empty_fake(gm: fx.GraphModule) -> FakeTensor:
+    """An empty fake tensor of the fake mode ``gm`` was traced in: AOTAutograd reads the
+    ``val`` of each program input and output."""
+    mode = next(
+        n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)
+    )
+    with real_tensors():
+        return mode.from_tensor(torch.empty((0, 0, 0)))
+
+
 def make_program(
     plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule, extracted: Extracted
 ) -> Program:
-    """``plan``'s programs, with their tangent inputs and returned gradients as problem
-    nodes (what ``Link``s are made of)."""
+    """``plan``'s programs (with their marker's slot), with their tangent inputs and
+    returned gradients as problem nodes (what ``Link``s are made of)."""
     where = {n.name: i for i, n in enumerate(extracted.fx_nodes)}
     inputs = bw.graph.find_nodes(op="placeholder")
     tangents = tuple((k, where[p.name]) for k, p in enumerate(inputs) if is_tangent(p))
     returned = bw.graph.output_node().args[0]
     grads = tuple(where.get(g.name) if isinstance(g, fx.Node) else None for g in returned)
     syms = next((k for k, p in enumerate(inputs) if not is_symbolic(p)), len(inputs))
-    saved = (tangents[0][0] if tangents else len(inputs)) - syms
+    saved = (tangents[0][0] if tangents else len(inputs)) - syms - 1  # less the marker
     return Program(plan, boxed(fw), boxed(bw), tangents, grads, saved, syms)

@@ -19,7 +19,9 @@ so the step becomes known only by running it:
 
 Each run's forward saves, before its saved values, an empty tensor whose shape names
 the run and the program it ran, so its backward runs the matching program even when
-the plans changed in between.
+the plans changed in between. AOTAutograd's runtime is handed what a run saves in the
+compile-time program's layout (``_in_compiled_layout``): as many tensors and sizes as
+that program saved, whichever program ran.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class StepRunner:
         # tensors whose storages are resized outside the dispatcher (``OutsideMemory.watch``)
         self.resized: Callable[[], list[torch.Tensor]] = list
         self._live: dict[int, tuple[Recording, int]] = {}
-        self._sizes: dict[int, list] = {}  # a run's saved sizes, while AOTAutograd holds zeros
+        # per run, what its forward hands its backward past AOTAutograd (``_in_compiled_layout``)
+        self._aside: dict[int, tuple[list, list]] = {}
         self._warned: set[str] = set()
 
     def serve(
@@ -133,15 +136,14 @@ class StepRunner:
             step.section(self.resized())
             outs = list(graph.programs[k].forward(args))
             self._runs += 1
-            if graph.sizes:
-                outs = self._in_compiled_layout(graph, k, outs)
             if step.outside is not None and not distributed():
                 # where the caller drops an output is seen per rank, and a step's solve is
                 # a collective: ranks that saw it differently would solve unequally often
                 step.watch_outputs(len(step.runs), graph, outs[: graph.num_fwd_outputs])
             marker = torch.empty((0, self._runs, k))
             weakref.finalize(marker, self._dropped, self._runs)
-            outs.insert(graph.num_fwd_outputs, marker)
+            outs[graph.num_fwd_outputs] = marker  # in its slot (``add_marker_slot``)
+            outs = self._in_compiled_layout(graph, k, outs)
             self._live[self._runs] = (step, len(step.runs))
             step.runs.append(Run(graph, k, binding))
             step.resume()
@@ -156,13 +158,13 @@ class StepRunner:
         def run(args: list):
             # the first tensor: AOTAutograd passes the saved sizes (ints) before them
             first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), 0)
-            marker = args.pop(first) if args else None
+            marker = args[first] if args else None
             if not (isinstance(marker, torch.Tensor) and marker.dim() == 3 and not marker.numel()):
                 raise AssertionError(f"remat {graph.name}: backward without its run's marker")
             run_id, k = marker.shape[1], marker.shape[2]
+            del marker
             program = graph.programs[k]
-            if graph.sizes:
-                args = self._in_program_layout(graph, k, args, run_id)
+            args = self._in_program_layout(graph, k, args, run_id)
             found = self._live.pop(run_id, None)
             if found is None or found[0] is not self.step:
                 return program.backward(args)
@@ -290,31 +292,36 @@ class StepRunner:
 
     def _in_compiled_layout(self, graph: Graph, k: int, outs: list) -> list:
         """Program ``k``'s forward outputs as AOTAutograd's runtime expects the compiled
-        program's: it counts the sizes handed over, and marks the saved tensors' symbolic
-        dimensions by their compile-time positions, both fixed at compile time, while a
-        later plan may save other tensors and sizes. So the sizes wait here, keyed by the
-        run, and the runtime gets as many tensors (empty ones added) and sizes (zeros) as
-        the compiled program gave it."""
+        program's (``programs[0]``): it counts the tensors and sizes handed over, indexes
+        what it knows of each saved tensor by position (torch 2.14 and later), and marks
+        their symbolic dimensions by position, all fixed at compile time, while a later
+        plan may save other tensors and sizes. So the runtime gets as many saved tensors
+        (empty ones added) and sizes (zeros) as the compiled program gave it; the sizes and
+        any tensors past that count wait here, keyed by the run (``_in_program_layout``).
+        """
         program, compiled = graph.programs[k], graph.programs[0]
-        cut = len(outs) - program.syms
-        self._sizes[self._runs] = outs[cut:]
-        padding = max(compiled.saved - program.saved, 0)
-        return [*outs[:cut], *[_EMPTY] * padding, *[0] * compiled.syms]
+        start = graph.num_fwd_outputs + 1  # after the marker
+        fits = start + min(program.saved, compiled.saved)
+        cut = start + program.saved
+        self._aside[self._runs] = (outs[fits:cut], outs[cut:])
+        padding = compiled.saved - (fits - start)
+        return [*outs[:fits], *[_EMPTY] * padding, *[0] * compiled.syms]
 
     def _in_program_layout(self, graph: Graph, k: int, args: list, run_id: int) -> list:
         """``_in_compiled_layout`` undone for program ``k``'s backward, in place (the
         program frees each argument after its last use, so no other list may hold them):
-        its own sizes first, then its saved tensors, then the rest."""
+        its own sizes first, then the marker and its saved tensors, then the rest."""
         program, compiled = graph.programs[k], graph.programs[0]
-        padding = max(compiled.saved - program.saved, 0)
-        start = compiled.syms + program.saved
-        del args[start : start + padding]
-        args[: compiled.syms] = self._sizes.pop(run_id, ())
+        more, sizes = self._aside.pop(run_id, ([], []))
+        args[: compiled.syms] = sizes
+        start = program.syms + 1 + min(program.saved, compiled.saved)
+        padding = compiled.saved - min(program.saved, compiled.saved)
+        args[start : start + padding] = more
         return args
 
     def _dropped(self, run_id: int) -> None:
         """A run's autograd graph was freed without its backward (its output dropped)."""
-        self._sizes.pop(run_id, None)
+        self._aside.pop(run_id, None)
         found = self._live.pop(run_id, None)
         if found is None:
             return

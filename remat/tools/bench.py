@@ -27,9 +27,11 @@ The warm-up step runs from a fixed seed and its gradients are compared with eage
 same seed (``grad_error``, the largest difference relative to eager's largest gradient):
 a partition that recomputes dropout with a fresh mask trains on wrong gradients, and such a
 point does not count as a point of the curve (``dominates``). Inductor draws random numbers
-its own way, so with ``compiler="inductor"`` on a random step (eager's gradients depend on
-the seed) torch's and remat's rows are compared with plain ``torch.compile``'s instead
-(``grad_reference``; ``remat.tools.grads``).
+its own way, and below float32 (``--size dtype=bfloat16``) the compiled graph rounds its
+decomposed ops otherwise than eager, so with ``compiler="inductor"`` on a random step
+(eager's gradients depend on the seed), and on any step in low precision, torch's and
+remat's rows are compared with plain ``torch.compile``'s instead (``grad_reference``;
+``remat.tools.grads``).
 Then ``repeat`` timed rounds, each running one step of every configuration in turn (the
 first round in table order, later ones shuffled with a fixed seed), so that drift of the
 machine hits all alike and no configuration always follows the same one; a row's

@@ -3,8 +3,9 @@
 Each factory returns ``(model, example_inputs)``: ``example_inputs`` is a tuple and the
 model's forward computes its own loss (like an HF model given labels), so one training step
 is always ``loss = model(*example_inputs); loss.backward()``, whatever the architecture.
-The loss is a float32 scalar. Models come back in training mode (dropout active, BatchNorm
-updating its running statistics), because that is the step remat rewrites.
+The loss is a scalar (float32 at the default dtype). Models come back in training mode
+(dropout active, BatchNorm updating its running statistics), because that is the step
+remat rewrites.
 
 - ``mlp``: a deep chain of Linear + GELU/ReLU with a cross-entropy head. The textbook chain
   (REVOLVE, the sqrt(n) rule), where every activation has the same size.
@@ -24,8 +25,10 @@ updating its running statistics), because that is the step remat rewrites.
 
 Every factory takes its sizes as keyword arguments with small defaults (one eager forward and
 backward well under a second on two CPU cores), ``seed`` (weights and inputs are a function of
-it; the caller's global RNG is left untouched) and ``device``. Weights and inputs are built on
-the CPU and then moved, so a seed gives the same numbers on every device.
+it; the caller's global RNG is left untouched), ``device`` and ``dtype`` (``"bfloat16"``:
+floating weights and inputs cast to it; ``--size dtype=bfloat16`` on the command line).
+Weights and inputs are built on the CPU and then moved, so a seed gives the same numbers on
+every device.
 
 Repeated blocks: each model exposes ``model.blocks`` (an ``nn.ModuleList`` or
 ``nn.Sequential``). The forward looks each block up in ``model.blocks`` at call time, calls it

@@ -2,8 +2,10 @@
 
 A partition that recomputes dropout with a fresh mask trains on wrong gradients, so each
 configuration's warm-up step runs from ``GRAD_SEED`` and its gradients are compared with
-eager's from the same seed. Inductor draws random numbers its own way, so where inductor
-runs a random step the compiled rows are compared with plain ``torch.compile``'s instead.
+eager's from the same seed. Where a plain compiled step computes other numbers than eager
+(inductor draws random numbers its own way; below float32, the compiled graph's
+decompositions round otherwise), the compiled rows are compared with a plain
+``torch.compile``'s instead.
 """
 
 from __future__ import annotations
@@ -27,15 +29,20 @@ GRAD_SEED = 1234  # every configuration's first step draws from this seed
 def reference_gradients(
     spec, kwargs, compiler: str, methods, say: Callable[[str], None]
 ) -> dict[str, list[torch.Tensor]]:
-    """The gradients rows are compared with: eager's, and for the inductor rows of a random
-    step plain ``torch.compile``'s (inductor draws random numbers its own way). Computed
-    on as many threads as the rows: a matmul's sums may be ordered by the thread count
-    (on one CPU eager's own row was 2e-8 off a 2-thread one)."""
+    """The gradients rows are compared with: eager's, and for the compiled rows, where a
+    plain compiled step computes other numbers, plain ``torch.compile``'s (partitioned by
+    torch at its default budget, run by ``compiler``): an inductor step that is random,
+    and any step whose gradients are less precise than float32. Computed on as many
+    threads as the rows: a matmul's sums may be ordered by the thread count (on one CPU
+    eager's own row was 2e-8 off a 2-thread one)."""
     references = {"eager": _eager_gradients(spec, kwargs)}
-    compiled_rows = compiler == "inductor" and {"torch", "remat"} & set(methods)
-    if compiled_rows and _is_random(spec, kwargs, references["eager"]):
-        say("the step is random: one plain torch.compile step, the inductor rows' reference")
-        references["torch.compile"] = _compiled_gradients(spec, kwargs)
+    if not {"torch", "remat"} & set(methods):
+        return references
+    eager = references["eager"]
+    random_inductor = compiler == "inductor" and _is_random(spec, kwargs, eager)
+    if random_inductor or _below_float32(eager):
+        say("one plain torch.compile step: the compiled rows' reference")
+        references["torch.compile"] = _compiled_gradients(spec, kwargs, compiler)
     return references
 
 
@@ -54,13 +61,19 @@ def _is_random(spec, kwargs, reference: list[torch.Tensor]) -> bool:
     return error is not None and error > GRAD_TOLERANCE
 
 
-def _compiled_gradients(spec, kwargs) -> list[torch.Tensor]:
-    """Plain ``torch.compile``'s (inductor) gradients of one step from ``GRAD_SEED``: the
-    reference of inductor rows when the step is random. Inductor draws random numbers its
-    own way (seeded, so a recompute replays them), so no inductor row can match eager's
-    masks; torch's and remat's partitions must match this instead."""
+def _below_float32(reference: list[torch.Tensor]) -> bool:
+    """Whether gradients are kept less precisely than float32 (bfloat16, float16)."""
+    float32 = torch.finfo(torch.float32).eps
+    return any(g.is_floating_point() and torch.finfo(g.dtype).eps > float32 for g in reference)
+
+
+def _compiled_gradients(spec, kwargs, compiler: str) -> list[torch.Tensor]:
+    """A plain ``torch.compile`` step's gradients from ``GRAD_SEED`` (torch's partition at
+    its default budget, run by ``compiler``): what the compiled rows must match where the
+    compiled graph computes other numbers than eager, in the kernels inductor fuses and
+    the seeds it draws from, or in how a low precision rounds its decomposed ops."""
     model, inputs = examples.load(spec, **kwargs)
-    compiled = torch_compiled(model, "inductor")
+    compiled = torch_compiled(model, compiler)
     torch.manual_seed(GRAD_SEED)
     with compile_caches_off():
         compiled(*inputs).backward()

@@ -66,6 +66,7 @@ def hf_gpt2(
     attn: str = "sdpa",
     seed: int = 0,
     device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
     graph_break: bool = False,
 ) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Hugging Face GPT-2 (``GPT2LMHeadModel``, tied lm_head) from a ``GPT2Config`` with
@@ -92,7 +93,7 @@ def hf_gpt2(
         model = HFCausalLM(lm, "transformer.h", as_shipped=graph_break)
         return model, (torch.randint(0, vocab, (batch, seq), generator=gen),)
 
-    return build(seed, device, make)
+    return build(seed, device, make, dtype)
 
 
 def hf_gpt2_labels(**sizes) -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -114,6 +115,7 @@ def hf_llama(
     attn: str = "sdpa",
     seed: int = 0,
     device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
 ) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """Hugging Face Llama (``LlamaForCausalLM``: RMSNorm, rotary embeddings, SwiGLU MLP, no
     dropout) from a ``LlamaConfig`` with random weights; ``ffn`` defaults to about
@@ -137,4 +139,4 @@ def hf_llama(
         model = HFCausalLM(transformers.LlamaForCausalLM(config), "model.layers")
         return model, (torch.randint(0, vocab, (batch, seq), generator=gen),)
 
-    return build(seed, device, make)
+    return build(seed, device, make, dtype)

@@ -11,22 +11,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["build", "cnn", "gpt", "mlp", "unet"]
+__all__ = ["FLOATING_DTYPES", "build", "cnn", "floating_dtype", "gpt", "mlp", "unet"]
 
 
-def build(seed: int, device: str | torch.device, make: Callable[[torch.Generator], tuple]):
-    """Run ``make`` under a private RNG so weights and inputs depend only on ``seed``.
+def build(
+    seed: int,
+    device: str | torch.device,
+    make: Callable[[torch.Generator], tuple],
+    dtype: str | torch.dtype = torch.float32,
+):
+    """Run ``make`` under a private RNG so weights and inputs depend only on ``seed``, then
+    move them to ``device`` and cast the floating ones to ``dtype`` (a ``torch.dtype`` or
+    its name, ``"bfloat16"``).
 
     Module initialisers draw from the global RNG, so it is forked (CPU only; CUDA state is
     not touched) and restored afterwards: building an example never perturbs the caller.
     """
+    dtype = floating_dtype(dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         model, inputs = make(gen)
-    model = model.to(device).train()
-    inputs = tuple(t.to(device) for t in inputs)
+    model = model.to(device=device, dtype=dtype).train()  # floating tensors only
+    inputs = tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in inputs)
     return model, inputs
+
+
+FLOATING_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def floating_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` as a ``torch.dtype``: one already, or a floating one's name (``"bfloat16"``,
+    ``"torch.bfloat16"``). ``ValueError`` naming the accepted names for anything else."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        dtype = getattr(torch, name, None) if name in FLOATING_DTYPES else name
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        names = ", ".join(FLOATING_DTYPES)
+        raise ValueError(f"dtype must be one of {names}; got {dtype!r}")
+    return dtype
 
 
 # ----------------------------------------------------------------------------- mlp
@@ -59,6 +82,7 @@ def mlp(
     activation: str = "gelu",
     seed: int = 0,
     device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Deep MLP classifier; inputs ``(x[batch, width] float32, y[batch] int64)``."""
 
@@ -68,7 +92,7 @@ def mlp(
         y = torch.randint(0, classes, (batch,), generator=gen)
         return model, (x, y)
 
-    return build(seed, device, make)
+    return build(seed, device, make, dtype)
 
 
 # ----------------------------------------------------------------------------- cnn
@@ -134,6 +158,7 @@ def cnn(
     dropout: float = 0.0,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Small ResNet classifier; inputs ``(x[batch, channels, image, image], y[batch] int64)``."""
 
@@ -143,7 +168,7 @@ def cnn(
         y = torch.randint(0, classes, (batch,), generator=gen)
         return model, (x, y)
 
-    return build(seed, device, make)
+    return build(seed, device, make, dtype)
 
 
 # ----------------------------------------------------------------------------- gpt
@@ -241,6 +266,7 @@ def gpt(
     dropout: float = 0.1,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """GPT-style language model; inputs ``(idx[batch, seq], targets[batch, seq])`` int64,
     where ``targets`` is ``idx`` shifted by one token (next-token prediction)."""
@@ -250,7 +276,7 @@ def gpt(
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
-    return build(seed, device, make)
+    return build(seed, device, make, dtype)
 
 
 # ----------------------------------------------------------------------------- unet
@@ -322,6 +348,7 @@ def unet(
     levels: int = 3,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Small U-Net regressing an image; inputs ``(x, target)``, both
     ``[batch, channels, image, image]`` float32. ``image`` must be divisible by 2**levels."""
@@ -334,4 +361,4 @@ def unet(
         target = torch.randn(batch, channels, image, image, generator=gen)
         return model, (x, target)
 
-    return build(seed, device, make)
+    return build(seed, device, make, dtype)

@@ -218,6 +218,23 @@ def test_bench_flags_wrong_gradients_of_recomputed_dropout():
     assert "WRONG" in table and "= eager" in table
 
 
+def test_bench_in_bfloat16_checks_compiled_rows_against_plain_torch_compile():
+    """Below float32 the compiled graph rounds its decomposed ops otherwise than eager, so
+    torch's and remat's rows are compared with a plain torch.compile step's gradients."""
+    rows = run_bench(
+        "mlp",
+        [0.75],
+        methods=("eager", "torch", "remat"),
+        repeat=1,
+        size_kwargs={**MLP_SIZE, "dtype": "bfloat16"},
+        threads=1,
+    )
+    assert [r.error for r in rows] == [None] * 3, rows
+    assert [r.grad_reference for r in rows] == ["eager", "torch.compile", "torch.compile"]
+    assert all(r.grads_ok for r in rows), rows
+    check_remat_rows(rows)
+
+
 @pytest.mark.slow
 def test_bench_under_inductor_compiles_each_budget_and_checks_gradients(monkeypatch):
     """Every torch budget is compiled (dynamo reused the first budget's step for all of

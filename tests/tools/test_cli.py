@@ -166,6 +166,7 @@ def test_plan_fixed_solver_over_budget(capsys):
         (["train", *MLP, "--steps", "0"], ["--steps", "positive"]),
         (["inspect", *MLP, "--sort", "size"], ["invalid choice"]),
         (["inspect", "mlp", "--size", "layers"], ["key=value"]),
+        (["train", *MLP, "--size", "dtype=bfloat", "--budget", "0.9", "-q"], ["bfloat16"]),
         (["frobnicate"], ["invalid choice"]),
     ],
 )
@@ -243,6 +244,20 @@ def test_train_eager_vs_remat(capsys):
         assert eager_loss == pytest.approx(remat_loss, rel=1e-5)
     assert "within the budget: yes" in out
     assert re.search(r"losses: remat's (match|equal) eager's", out)
+
+
+def test_train_in_bfloat16(capsys):
+    argv = ["train", *MLP, "--budget", "60%", "--steps", "1", "-q"]
+    code, out, err = run(capsys, *argv, "--size", "dtype=bfloat16")
+    assert code == 0, err
+    rows = key_values(out)
+    eager_peak, remat_peak = map(parse_bytes, rows["peak memory (measured, fwd+bwd)"])
+    assert remat_peak == parse_bytes(rows["predicted peak"][1]) < eager_peak
+    assert "within the budget: yes" in out
+    assert re.search(r"losses: remat's (match|equal) eager's", out)
+    _, float32_out, _ = run(capsys, *argv)
+    float32_peak = parse_bytes(key_values(float32_out)["peak memory (measured, fwd+bwd)"][0])
+    assert eager_peak < 0.75 * float32_peak  # activations and gradients in two bytes, not four
 
 
 def test_train_infeasible_budget(capsys):

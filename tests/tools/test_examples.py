@@ -143,6 +143,26 @@ def test_sizes_are_keyword_arguments():
         examples.mlp(activation="tanh")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_dtype_casts_floating_weights_and_inputs(name):
+    model, inputs = EXAMPLES[name](dtype="bfloat16", **SMALL[name])
+    reference, ref_inputs = EXAMPLES[name](**SMALL[name])
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, ref.to(torch.bfloat16))
+    for x, ref in zip(inputs, ref_inputs, strict=True):  # token ids and labels stay integers
+        assert x.dtype == (torch.bfloat16 if ref.is_floating_point() else ref.dtype)
+    loss = model(*inputs)  # Hugging Face's models compute it in float32
+    assert loss.shape == () and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat", "nn", torch.int64])
+def test_dtype_must_be_a_floating_one(dtype):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+        examples.mlp(dtype=dtype)
+
+
 def test_load_builtin_and_module_factory():
     model, inputs = load("mlp", layers=2, width=16, batch=4)
     assert len(model.blocks) == 2 and inputs[0].shape == (4, 16)
