@@ -20,11 +20,20 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from remat.costs import COMPILERS, COST_MODELS
 from remat.errors import RematError, user_error
 from remat.solvers import Budget
+from remat.tools.arguments import (
+    cost_model_list,
+    non_negative,
+    number,
+    points,
+    positive,
+    positive_float,
+    size_option,
+    solver_list,
+)
 from remat.tools.commands import (
     EXIT_USAGE,
     Progress,
@@ -71,44 +80,6 @@ def _budget(text: str) -> Budget:
         return Budget.parse(text)
     except RematError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def size_option(text: str) -> tuple[str, Any]:
-    """An argparse type for ``--size key=value`` (the benchmark scripts take it too)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip() or not key.strip().isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value (e.g. layers=4), got {text!r}")
-    return key.strip(), _literal(value.strip())
-
-
-def _literal(value: str) -> Any:
-    """'4' -> 4, '0.1' -> 0.1, 'true' -> True, 'none' -> None, anything else stays a string."""
-    for convert in (int, float):
-        try:
-            return convert(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
-
-
-def _number(cast, accept, expected: str):
-    """An argparse type: ``cast`` the text, keep it if ``accept``, else say what was expected."""
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or not accept(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive = _number(int, lambda v: v >= 1, "a positive integer")
-_non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
-_float = _number(float, lambda v: v > 0, "a positive number")
 
 
 # ----------------------------------------------------------------------------- parser
@@ -191,7 +162,7 @@ def _time_limit_option() -> argparse.ArgumentParser:
     limit = _Parser(add_help=False)
     limit.add_argument(
         "--time-limit",
-        type=_number(float, lambda v: v > 0, "a positive number of seconds"),
+        type=number(float, lambda v: v > 0, "a positive number of seconds"),
         default=None,
         help=time_limit_help(),
     )
@@ -214,13 +185,13 @@ def _measuring_options() -> argparse.ArgumentParser:
     )
     output.add_argument(
         "--repeat",
-        type=_positive,
+        type=positive,
         default=5,
         help="timed steps per configuration, interleaved across configurations (default 5)",
     )
     output.add_argument(
         "--threads",
-        type=_non_negative,
+        type=non_negative,
         default=1,
         help="torch.set_num_threads on CPU while measuring (default 1, for stable timings; "
         "0 leaves torch's default)",
@@ -245,14 +216,14 @@ def _add_inspect(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     inspect.add_argument(
         "--graph",
-        type=_non_negative,
+        type=non_negative,
         default=None,
         metavar="N",
         help="show only graph N (one per graph break; default: all)",
     )
     inspect.add_argument(
         "--limit",
-        type=_positive,
+        type=positive,
         default=None,
         metavar="K",
         help="show only the first K rows of each graph after sorting (default: all)",
@@ -311,8 +282,10 @@ def _add_train(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         metavar="B",
         help="as for 'remat plan' (default 0.5: half the store-all peak)",
     )
-    train.add_argument("--steps", type=_positive, default=3, help="SGD steps (default 3)")
-    train.add_argument("--lr", type=_float, default=0.01, help="SGD learning rate (default 0.01)")
+    train.add_argument("--steps", type=positive, default=3, help="SGD steps (default 3)")
+    train.add_argument(
+        "--lr", type=positive_float, default=0.01, help="SGD learning rate (default 0.01)"
+    )
     train.add_argument(
         "--compiler",
         choices=COMPILERS,
@@ -323,7 +296,7 @@ def _add_train(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     train.add_argument(
         "--repeat",
-        type=_positive,
+        type=positive,
         default=5,
         help="timed steps per model for the median step time (default 5)",
     )
@@ -359,7 +332,7 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     bench.add_argument(
         "--solvers",
-        type=_solver_list,
+        type=solver_list,
         default=solver_names()[0],
         metavar="S,S,...",
         help=f"remat solvers, comma-separated, from {', '.join(solver_names())} (default "
@@ -367,7 +340,7 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     bench.add_argument(
         "--cost-model",
-        type=_cost_model_list,
+        type=cost_model_list,
         default=DEFAULT_COST_MODEL,
         metavar="C,C,...",
         help=choice_lines(
@@ -391,22 +364,11 @@ def _add_pareto(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     pareto.add_argument(
         "--points",
-        type=_points,
+        type=points,
         default=12,
         help="budgets from store-all down to the minimum, both included (default 12)",
     )
     pareto.set_defaults(run=cmd_pareto)
-
-
-def _cost_model_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",")]
-    bad = [n for n in names if n not in COST_MODELS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown cost model(s) {', '.join(map(repr, bad))}; choose from "
-            f"{', '.join(COST_MODELS)}"
-        )
-    return list(dict.fromkeys(names))
 
 
 def _budget_list(text: str) -> list[float | int]:
@@ -431,23 +393,6 @@ def _budget_list(text: str) -> list[float | int]:
             raise argparse.ArgumentTypeError(f"budget {token!r}: {e}") from None
         values.append(budget.fraction if budget.fraction is not None else budget.nbytes)
     return values
-
-
-def _solver_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",")]
-    for name in names:
-        if name not in solver_names():
-            raise argparse.ArgumentTypeError(
-                f"unknown solver {name!r}; choose from {', '.join(solver_names())}"
-            )
-    return list(dict.fromkeys(names))
-
-
-def _points(text: str) -> int:
-    value = _positive(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"need at least 2 points, got {text!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- main
