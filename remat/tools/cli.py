@@ -1,9 +1,10 @@
 """The ``remat`` command line: look at a model's training graph, plan it, train it.
 
 - ``remat inspect MODEL``: the joint forward+backward graph remat plans, one row per value.
-- ``remat plan MODEL --budget B``: what remat would save and recompute under a budget.
+- ``remat plan MODEL --budget B``: what remat would save and recompute under a budget (by
+  module with ``--values``; as JSON, a memory-over-time plot and DOT on request).
 - ``remat train MODEL``: a few SGD steps with ``remat.optimize`` and eagerly, side by side
-  (measured peak memory, step time, losses).
+  (measured peak memory, step times with their spread, losses).
 - ``remat bench MODEL``: measured peak memory and step time of eager, checkpointing per block,
   torch's min-cut partitioner and remat, at a list of budgets (``remat.tools.bench``).
 - ``remat pareto MODEL``: remat's measured memory/time frontier, store-all down to its minimum.
@@ -60,6 +61,11 @@ __all__ = ["main"]
 
 
 SORT_KEYS = ("order", "bytes", "time")
+TIMELINE_HELP = (
+    "also plot the step's predicted memory over time against storing everything, with the "
+    "budget, and write the numbers to FILE.json beside it (needs matplotlib: the 'plot' "
+    "extra)"
+)
 DEFAULT_COST_MODEL = "roofline"  # an estimate: planning starts without timing every op
 
 
@@ -237,7 +243,8 @@ def _add_inspect(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     inspect.add_argument(
         "--dot",
         metavar="FILE",
-        help="also write the graphs as Graphviz DOT (one box per value, an edge per read)",
+        help="also write the graphs as Graphviz DOT (one box per value, an edge per read, "
+        "a legend)",
     )
     inspect.set_defaults(run=cmd_inspect)
 
@@ -261,8 +268,22 @@ def _add_plan(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     plan.add_argument(
         "--dot",
         metavar="FILE",
-        help="also write the graphs as Graphviz DOT, saved values blue, recomputed orange",
+        help="also write the graphs as Graphviz DOT, saved values blue, recomputed orange "
+        "(a legend in the file says so)",
     )
+    plan.add_argument(
+        "--values",
+        action="store_true",
+        help="also list each value the plan saves or recomputes as 'module: op' (e.g. "
+        "'transformer.h.0.mlp.act: gelu'), with its bytes",
+    )
+    plan.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the report as JSON (numbers: bytes, seconds; every graph, step and "
+        "saved or recomputed value); '-' writes it to stdout instead of the table",
+    )
+    plan.add_argument("--timeline", metavar="FILE.png", help=TIMELINE_HELP)
     plan.set_defaults(run=cmd_plan)
 
 
@@ -298,7 +319,12 @@ def _add_train(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         "--repeat",
         type=positive,
         default=5,
-        help="timed steps per model for the median step time (default 5)",
+        help="timed steps per model: their median and range are shown (default 5)",
+    )
+    train.add_argument(
+        "--timeline",
+        metavar="FILE.png",
+        help=TIMELINE_HELP + "; on the CPU with remat's measured memory over one step too",
     )
     train.set_defaults(run=cmd_train)
 
