@@ -9,16 +9,18 @@
   torch's min-cut partitioner and remat, at a list of budgets (``remat.tools.bench``).
 - ``remat pareto MODEL``: remat's measured memory/time frontier, store-all down to its minimum.
 
-MODEL is a built-in example (``remat.tools.examples.EXAMPLES``) or ``package.module:factory``;
-``--size key=value`` passes keyword arguments to the factory. Every mistake a user can make
-(bad budget, unknown model or solver, infeasible budget) prints one line on stderr and exits
-with status 2; progress goes to stderr, results to stdout.
+MODEL is a built-in example (``remat.tools.examples.EXAMPLES``) or ``package.module:factory``
+(found in the current folder too, as ``python -m`` finds it); ``--size key=value`` passes
+keyword arguments to the factory. Every mistake a user can make (bad budget, unknown model
+or solver, infeasible budget) prints one line on stderr and exits with status 2; progress
+goes to stderr, results to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -424,8 +426,17 @@ def _budget_list(text: str) -> list[float | int]:
 # ----------------------------------------------------------------------------- main
 
 
+def _import_from_cwd() -> None:
+    """``package.module:factory`` finds a module in the current folder, as ``python -m``
+    does: the ``remat`` script's ``sys.path`` starts with the script's own folder."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``remat`` command line; returns the exit status."""
+    _import_from_cwd()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -302,6 +302,24 @@ def test_user_factory_module(capsys, tmp_path, monkeypatch):
     assert err == ""  # --quiet
 
 
+def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
+    """``remat`` finds ``module:factory`` in the current folder, as ``python -m`` would,
+    though the console script's ``sys.path`` does not hold it."""
+    (tmp_path / "models_here.py").write_text(
+        "import torch\n\n"
+        "def make():\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())\n"
+        "    return net, (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    here = {"", ".", str(tmp_path)}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in here])
+    monkeypatch.delitem(sys.modules, "models_here", raising=False)
+    code, out, err = run(capsys, "inspect", "models_here:make", "-q")
+    assert code == 0, err
+    assert "tanh" in out
+
+
 # ----------------------------------------------------------------------------- train
 
 
