@@ -24,7 +24,6 @@ __all__ = [
     "Value",
     "graph_values",
     "module_paths",
-    "op_label",
     "recomputed",
     "step_values",
 ]
@@ -89,7 +88,7 @@ def module_paths(nodes: Iterable[fx.Node]) -> dict[fx.Node, str]:
     return paths
 
 
-def op_label(problem: Problem, i: int, fx_node: fx.Node) -> str:
+def _op_label(problem: Problem, i: int, fx_node: fx.Node) -> str:
     """The op of node ``i`` without its namespace and overload (``gelu``, ``addmm``), or
     ``op[k]`` for output ``k`` of a multi-output op (``native_layer_norm[0]``)."""
     node = problem.nodes[i]
@@ -137,7 +136,7 @@ def _values(name, problem, fx_nodes, plan, indices) -> list[Value]:
             continue
         node, fx_node = problem.nodes[i], fx_nodes[i]
         out.append(
-            Value(name, node.name, paths[fx_node], op_label(problem, i, fx_node), node.bytes, kind)
+            Value(name, node.name, paths[fx_node], _op_label(problem, i, fx_node), node.bytes, kind)
         )
     return out
 
