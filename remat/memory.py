@@ -3,7 +3,8 @@
 A budget is a promise about *measured* memory, so this module is the judge every plan is
 checked against. ``peak`` reports the bytes allocated during the call above what was
 allocated when it started: activations, temporaries and gradients, not the parameters and
-inputs that were resident before.
+inputs that were resident before. ``trace`` (CPU) gives the same bytes over time, and
+``step_times`` each timed call.
 
 - CUDA: the caching allocator's own counters (``reset_peak_memory_stats`` /
   ``max_memory_allocated``), which count allocated bytes, not reserved ones.
@@ -48,7 +49,15 @@ from torch import nn
 
 from remat.passes._torch_compat import cpu_allocations, profiler_enabled
 
-__all__ = ["Measurement", "peak", "profiler_active", "step_time"]
+__all__ = [
+    "Measurement",
+    "MemoryTrace",
+    "peak",
+    "profiler_active",
+    "step_time",
+    "step_times",
+    "trace",
+]
 
 # Kineto (the profiler's backend) prints two "USDT: ... profiler_start/stop" trace markers
 # to stderr per profiling window, at its highest log level (5), unless KINETO_LOG_LEVEL is
@@ -75,6 +84,18 @@ class Measurement:
         return self.peak_bytes / 2**20
 
 
+@dataclass(frozen=True)
+class MemoryTrace:
+    """Result of ``trace``: the bytes live after each allocation and free during the call
+    (``live_bytes``, as ``peak`` counts them), at ``seconds`` from the call's first one;
+    ``peak_bytes`` is their maximum, ``peak``'s answer."""
+
+    seconds: tuple[float, ...]
+    live_bytes: tuple[int, ...]
+    peak_bytes: int
+    result: Any = field(repr=False)
+
+
 def peak(fn: Callable, *args, device: str | torch.device | None = None, **kwargs) -> Measurement:
     """Call ``fn(*args, **kwargs)`` once and return its peak memory and result.
 
@@ -89,6 +110,18 @@ def peak(fn: Callable, *args, device: str | torch.device | None = None, **kwargs
     if dev.type == "cpu":
         return _peak_cpu(fn, args, kwargs)
     raise ValueError(f"peak() measures 'cpu' or 'cuda' devices, not {str(dev)!r}")
+
+
+def trace(fn: Callable, *args, **kwargs) -> MemoryTrace:
+    """Call ``fn(*args, **kwargs)`` once on the CPU and return its memory over time: what
+    ``peak`` measures, event by event. CPU only: the CUDA counters ``peak`` reads keep no
+    history."""
+    prof, result = _profiled(fn, args, kwargs)
+    events = _cpu_events(prof)
+    start, live = _window_live([(ptr, size) for _, ptr, size in events])
+    times = [t for t, _, _ in events[start:]]
+    seconds = tuple((t - times[0]) / 1e9 for t in times) if times else ()
+    return MemoryTrace(seconds, tuple(live), max(live, default=0), result)
 
 
 def profiler_active() -> bool:
@@ -107,7 +140,20 @@ def step_time(
     repeat: int = 5,
     device: str | torch.device | None = None,
 ) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeat`` calls, after ``warmup`` calls.
+    """Median wall-clock seconds of ``fn()`` over ``repeat`` calls, after ``warmup`` calls
+    (``step_times``)."""
+    return statistics.median(step_times(fn, warmup=warmup, repeat=repeat, device=device))
+
+
+def step_times(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 1,
+    repeat: int = 5,
+    device: str | torch.device | None = None,
+) -> list[float]:
+    """Wall-clock seconds of each of ``repeat`` calls of ``fn()``, after ``warmup`` calls:
+    their spread says how far one number can be trusted.
 
     Waits for CUDA work to finish around every call: for ``device`` if it is a CUDA device,
     otherwise for the current CUDA device if CUDA has been initialised in this process.
@@ -132,7 +178,7 @@ def step_time(
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 # ----------------------------------------------------------------------------- internals
@@ -149,6 +195,13 @@ def _peak_cuda(fn, args, kwargs, dev: torch.device) -> Measurement:
 
 
 def _peak_cpu(fn, args, kwargs) -> Measurement:
+    prof, result = _profiled(fn, args, kwargs)
+    return Measurement(_window_peak(_cpu_allocations(prof)), result, "cpu")
+
+
+def _profiled(fn, args, kwargs) -> tuple[Any, Any]:
+    """``fn(*args, **kwargs)`` under a memory profiler of its own, after a probe
+    allocation (``_window_live``): the finished profiler and the call's result."""
     from torch.profiler import ProfilerActivity, profile
 
     if profiler_active():
@@ -162,14 +215,20 @@ def _peak_cpu(fn, args, kwargs) -> Measurement:
         probe = torch.empty(_PROBE_BYTES, dtype=torch.uint8)
         del probe
         result = fn(*args, **kwargs)
-    return Measurement(_window_peak(_cpu_allocations(prof)), result, "cpu")
+    return prof, result
 
 
 def _window_peak(events: list[tuple[int, int]]) -> int:
-    """Peak live bytes of the blocks allocated after the probe, from ``(ptr, signed bytes)``
-    events in time order. Frees of blocks not allocated in the window are skipped: whether
-    the profiler reports them depends on whether an *earlier* profiling session saw their
-    allocation, so counting them would make the number depend on history."""
+    """Peak live bytes of the blocks allocated after the probe (``_window_live``)."""
+    return max(_window_live(events)[1], default=0)
+
+
+def _window_live(events: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """The live bytes of the blocks allocated after the probe, from ``(ptr, signed bytes)``
+    events in time order: the index of the window's first event, and the bytes live after
+    each event from there. Frees of blocks not allocated in the window are skipped:
+    whether the profiler reports them depends on whether an *earlier* profiling session
+    saw their allocation, so counting them would make the number depend on history."""
     start = None
     for i, (ptr, nbytes) in enumerate(events):
         if nbytes == _PROBE_BYTES:
@@ -186,23 +245,28 @@ def _window_peak(events: list[tuple[int, int]]) -> int:
             "measured. Is another profiler or a custom CPU allocator active?"
         )
     live: dict[int, int] = {}
-    running = best = 0
+    running = 0
+    series = []
     for ptr, nbytes in events[start:]:
         if nbytes > 0:
             live[ptr] = nbytes
             running += nbytes
-            best = max(best, running)
         elif ptr in live:
             running -= live.pop(ptr)
-    return best
+        series.append(running)
+    return start, series
 
 
 def _cpu_allocations(prof) -> list[tuple[int, int]]:
-    """``(ptr, signed bytes)`` of every CPU allocation (+) and free (-), in time order.
-    On equal timestamps frees sort first, so a block freed and reused at once is never
-    seen as live twice."""
-    found = sorted(cpu_allocations(prof))
-    return [(ptr, size) for _, _, ptr, size in found]
+    """``(ptr, signed bytes)`` of every CPU allocation (+) and free (-), in time order."""
+    return [(ptr, size) for _, ptr, size in _cpu_events(prof)]
+
+
+def _cpu_events(prof) -> list[tuple[int, int, int]]:
+    """``(time ns, ptr, signed bytes)`` of every CPU allocation (+) and free (-), in time
+    order. On equal timestamps frees sort first, so a block freed and reused at once is
+    never seen as live twice."""
+    return [(t, ptr, size) for t, _, ptr, size in sorted(cpu_allocations(prof))]
 
 
 def _infer_device(fn, args, kwargs) -> torch.device:

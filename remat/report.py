@@ -1,4 +1,5 @@
-"""What remat decided for a model, as numbers and as a table: ``PlanReport``."""
+"""What remat decided for a model, as numbers (``to_dict``), as a table, and value by value
+(``values``): ``PlanReport``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from tabulate import tabulate
 from remat.candidates import YOURS
 from remat.planner import GraphPlan
 from remat.runtime import StepPlan
-from remat.solvers import Plan, format_bytes
+from remat.solvers import Plan, format_bytes, store_all
+from remat.timeline import StepTimeline
+from remat.values import Value, graph_values, recomputed, step_values
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,41 @@ class PlanReport:
         if self.steps:
             return max(s.store_all_peak for s in self.steps)
         return max(g.store_all.peak for g in self.graphs)
+
+    def values(self) -> list[Value]:
+        """What the plans that run save and recompute, each value named by module path and
+        op: the joint plan of each step planned as one, else each graph's own."""
+        if self.steps:
+            return [v for s in self.steps for v in self._step_values(s)]
+        return [v for g in self.graphs for v in _graph_values(g)]
+
+    def to_dict(self) -> dict:
+        """The report as numbers, for JSON: bytes as ints, seconds as floats, a fraction
+        as a float in [0, 1]; a graph's ``values`` are its compile-time plan's, a step's
+        its joint plan's (what runs from the second step on)."""
+        steps = [_step_dict(s, self._step_values(s)) for s in self.steps]
+        return {
+            "predicted_peak_bytes": self.predicted_peak if self.graphs else None,
+            "first_step_peak_bytes": self.first_step_peak if self.steps else None,
+            "store_all_peak_bytes": self.store_all_peak if self.graphs else None,
+            "graphs": [_graph_dict(g) for g in self.graphs],
+            "steps": steps,
+        }
+
+    def timeline(self) -> StepTimeline:
+        """The predicted memory over time of the step ``predicted_peak`` is the peak of
+        (before a step ended, of the graph with the highest peak), against storing
+        everything."""
+        if self.steps:
+            s = max(self.steps, key=lambda s: s.plan.peak)
+            everything = store_all(s.composed.problem)
+            return StepTimeline.of(s.composed.problem.name, s.limit, s.plan, everything)
+        g = max(self.graphs, key=lambda g: g.plan.peak)
+        return StepTimeline.of(g.name, g.limit, g.plan, g.store_all)
+
+    def _step_values(self, step: StepPlan) -> list[Value]:
+        fx_nodes = {g.name: g.extracted.fx_nodes for g in self.graphs}
+        return step_values(step.graphs, step.composed, step.plan, fx_nodes)
 
     def step_rows(self) -> list[dict]:
         return [
@@ -112,3 +150,57 @@ def _yours(g: GraphPlan) -> str:
     else:
         verdict = f"replaced by a plan {1 - g.plan.cost / max(y.cost, 1e-12):.0%} cheaper"
     return f"peak {format_bytes(y.peak)}, {verdict}"
+
+
+def _graph_values(g: GraphPlan) -> list[Value]:
+    return graph_values(g.name, g.extracted.problem, g.extracted.fx_nodes, g.plan)
+
+
+def _plan_numbers(plan: Plan) -> dict:
+    """Who made ``plan`` and how sure it is, as numbers."""
+    return {
+        "solver": plan.solver,
+        "status": plan.status,
+        "recompute_seconds": plan.recompute_cost,
+        "save_seconds": plan.save_cost,
+        "bound_seconds": plan.bound,
+        "gap": plan.gap,
+        "multiple_recomputation": plan.multiple,
+        "solve_seconds": plan.solve_seconds,
+    }
+
+
+def _graph_dict(g: GraphPlan) -> dict:
+    p, problem = g.plan, g.extracted.problem
+    forward_seconds = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
+    again = recomputed(p)
+    return {
+        "name": g.name,
+        "compile_id": None if g.compile_id is None else str(g.compile_id),
+        "sizes": dict(g.binding),
+        "nodes": len(problem),
+        "limit_bytes": g.limit,
+        "predicted_peak_bytes": p.peak,
+        "store_all_peak_bytes": g.store_all.peak,
+        "saved_values": len(p.saved),
+        "saved_bytes": g.saved_bytes,
+        "recomputed_values": len(again),
+        "recomputed_bytes": sum(problem.nodes[i].bytes for i in again),
+        "recompute_overhead": p.recompute_cost / max(forward_seconds, 1e-12),
+        "step_seconds": g.step_seconds,
+        "plan_seconds": g.plan_seconds,
+        **_plan_numbers(p),
+        "values": [v.to_dict() for v in _graph_values(g)],
+    }
+
+
+def _step_dict(s: StepPlan, values: list[Value]) -> dict:
+    return {
+        "graphs": list(s.graphs),
+        "limit_bytes": s.limit,
+        "predicted_peak_bytes": s.plan.peak,
+        "first_step_peak_bytes": s.first_peak,
+        "store_all_peak_bytes": s.store_all_peak,
+        **_plan_numbers(s.plan),
+        "values": [v.to_dict() for v in values],
+    }

@@ -1,30 +1,42 @@
 """The ``remat`` command line: look at a model's training graph, plan it, train it.
 
 - ``remat inspect MODEL``: the joint forward+backward graph remat plans, one row per value.
-- ``remat plan MODEL --budget B``: what remat would save and recompute under a budget.
+- ``remat plan MODEL --budget B``: what remat would save and recompute under a budget (by
+  module with ``--values``; as JSON, a memory-over-time plot and DOT on request).
 - ``remat train MODEL``: a few SGD steps with ``remat.optimize`` and eagerly, side by side
-  (measured peak memory, step time, losses).
+  (measured peak memory, step times with their spread, losses).
 - ``remat bench MODEL``: measured peak memory and step time of eager, checkpointing per block,
   torch's min-cut partitioner and remat, at a list of budgets (``remat.tools.bench``).
 - ``remat pareto MODEL``: remat's measured memory/time frontier, store-all down to its minimum.
 
-MODEL is a built-in example (``remat.tools.examples.EXAMPLES``) or ``package.module:factory``;
-``--size key=value`` passes keyword arguments to the factory. Every mistake a user can make
-(bad budget, unknown model or solver, infeasible budget) prints one line on stderr and exits
-with status 2; progress goes to stderr, results to stdout.
+MODEL is a built-in example (``remat.tools.examples.EXAMPLES``) or ``package.module:factory``
+(found in the current folder too, as ``python -m`` finds it); ``--size key=value`` passes
+keyword arguments to the factory. Every mistake a user can make (bad budget, unknown model
+or solver, infeasible budget) prints one line on stderr and exits with status 2; progress
+goes to stderr, results to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from remat.costs import COMPILERS, COST_MODELS
 from remat.errors import RematError, user_error
 from remat.solvers import Budget
+from remat.tools.arguments import (
+    cost_model_list,
+    non_negative,
+    number,
+    points,
+    positive,
+    positive_float,
+    size_option,
+    solver_list,
+)
 from remat.tools.commands import (
     EXIT_USAGE,
     Progress,
@@ -51,6 +63,11 @@ __all__ = ["main"]
 
 
 SORT_KEYS = ("order", "bytes", "time")
+TIMELINE_HELP = (
+    "also plot the step's predicted memory over time against storing everything, with the "
+    "budget, and write the numbers to FILE.json beside it (needs matplotlib: the 'plot' "
+    "extra)"
+)
 DEFAULT_COST_MODEL = "roofline"  # an estimate: planning starts without timing every op
 
 
@@ -71,44 +88,6 @@ def _budget(text: str) -> Budget:
         return Budget.parse(text)
     except RematError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def size_option(text: str) -> tuple[str, Any]:
-    """An argparse type for ``--size key=value`` (the benchmark scripts take it too)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip() or not key.strip().isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value (e.g. layers=4), got {text!r}")
-    return key.strip(), _literal(value.strip())
-
-
-def _literal(value: str) -> Any:
-    """'4' -> 4, '0.1' -> 0.1, 'true' -> True, 'none' -> None, anything else stays a string."""
-    for convert in (int, float):
-        try:
-            return convert(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
-
-
-def _number(cast, accept, expected: str):
-    """An argparse type: ``cast`` the text, keep it if ``accept``, else say what was expected."""
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or not accept(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive = _number(int, lambda v: v >= 1, "a positive integer")
-_non_negative = _number(int, lambda v: v >= 0, "an integer >= 0")
-_float = _number(float, lambda v: v > 0, "a positive number")
 
 
 # ----------------------------------------------------------------------------- parser
@@ -191,7 +170,7 @@ def _time_limit_option() -> argparse.ArgumentParser:
     limit = _Parser(add_help=False)
     limit.add_argument(
         "--time-limit",
-        type=_number(float, lambda v: v > 0, "a positive number of seconds"),
+        type=number(float, lambda v: v > 0, "a positive number of seconds"),
         default=None,
         help=time_limit_help(),
     )
@@ -214,13 +193,13 @@ def _measuring_options() -> argparse.ArgumentParser:
     )
     output.add_argument(
         "--repeat",
-        type=_positive,
+        type=positive,
         default=5,
         help="timed steps per configuration, interleaved across configurations (default 5)",
     )
     output.add_argument(
         "--threads",
-        type=_non_negative,
+        type=non_negative,
         default=1,
         help="torch.set_num_threads on CPU while measuring (default 1, for stable timings; "
         "0 leaves torch's default)",
@@ -245,14 +224,14 @@ def _add_inspect(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     inspect.add_argument(
         "--graph",
-        type=_non_negative,
+        type=non_negative,
         default=None,
         metavar="N",
         help="show only graph N (one per graph break; default: all)",
     )
     inspect.add_argument(
         "--limit",
-        type=_positive,
+        type=positive,
         default=None,
         metavar="K",
         help="show only the first K rows of each graph after sorting (default: all)",
@@ -266,7 +245,8 @@ def _add_inspect(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     inspect.add_argument(
         "--dot",
         metavar="FILE",
-        help="also write the graphs as Graphviz DOT (one box per value, an edge per read)",
+        help="also write the graphs as Graphviz DOT (one box per value, an edge per read, "
+        "a legend)",
     )
     inspect.set_defaults(run=cmd_inspect)
 
@@ -290,8 +270,22 @@ def _add_plan(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     plan.add_argument(
         "--dot",
         metavar="FILE",
-        help="also write the graphs as Graphviz DOT, saved values blue, recomputed orange",
+        help="also write the graphs as Graphviz DOT, saved values blue, recomputed orange "
+        "(a legend in the file says so)",
     )
+    plan.add_argument(
+        "--values",
+        action="store_true",
+        help="also list each value the plan saves or recomputes as 'module: op' (e.g. "
+        "'transformer.h.0.mlp.act: gelu'), with its bytes",
+    )
+    plan.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the report as JSON (numbers: bytes, seconds; every graph, step and "
+        "saved or recomputed value); '-' writes it to stdout instead of the table",
+    )
+    plan.add_argument("--timeline", metavar="FILE.png", help=TIMELINE_HELP)
     plan.set_defaults(run=cmd_plan)
 
 
@@ -311,8 +305,10 @@ def _add_train(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         metavar="B",
         help="as for 'remat plan' (default 0.5: half the store-all peak)",
     )
-    train.add_argument("--steps", type=_positive, default=3, help="SGD steps (default 3)")
-    train.add_argument("--lr", type=_float, default=0.01, help="SGD learning rate (default 0.01)")
+    train.add_argument("--steps", type=positive, default=3, help="SGD steps (default 3)")
+    train.add_argument(
+        "--lr", type=positive_float, default=0.01, help="SGD learning rate (default 0.01)"
+    )
     train.add_argument(
         "--compiler",
         choices=COMPILERS,
@@ -323,9 +319,14 @@ def _add_train(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     train.add_argument(
         "--repeat",
-        type=_positive,
+        type=positive,
         default=5,
-        help="timed steps per model for the median step time (default 5)",
+        help="timed steps per model: their median and range are shown (default 5)",
+    )
+    train.add_argument(
+        "--timeline",
+        metavar="FILE.png",
+        help=TIMELINE_HELP + "; on the CPU with remat's measured memory over one step too",
     )
     train.set_defaults(run=cmd_train)
 
@@ -359,7 +360,7 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     bench.add_argument(
         "--solvers",
-        type=_solver_list,
+        type=solver_list,
         default=solver_names()[0],
         metavar="S,S,...",
         help=f"remat solvers, comma-separated, from {', '.join(solver_names())} (default "
@@ -367,7 +368,7 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     bench.add_argument(
         "--cost-model",
-        type=_cost_model_list,
+        type=cost_model_list,
         default=DEFAULT_COST_MODEL,
         metavar="C,C,...",
         help=choice_lines(
@@ -391,22 +392,11 @@ def _add_pareto(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
     )
     pareto.add_argument(
         "--points",
-        type=_points,
+        type=points,
         default=12,
         help="budgets from store-all down to the minimum, both included (default 12)",
     )
     pareto.set_defaults(run=cmd_pareto)
-
-
-def _cost_model_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",")]
-    bad = [n for n in names if n not in COST_MODELS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown cost model(s) {', '.join(map(repr, bad))}; choose from "
-            f"{', '.join(COST_MODELS)}"
-        )
-    return list(dict.fromkeys(names))
 
 
 def _budget_list(text: str) -> list[float | int]:
@@ -433,28 +423,20 @@ def _budget_list(text: str) -> list[float | int]:
     return values
 
 
-def _solver_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",")]
-    for name in names:
-        if name not in solver_names():
-            raise argparse.ArgumentTypeError(
-                f"unknown solver {name!r}; choose from {', '.join(solver_names())}"
-            )
-    return list(dict.fromkeys(names))
-
-
-def _points(text: str) -> int:
-    value = _positive(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"need at least 2 points, got {text!r}")
-    return value
-
-
 # ----------------------------------------------------------------------------- main
+
+
+def _import_from_cwd() -> None:
+    """``package.module:factory`` finds a module in the current folder, as ``python -m``
+    does: the ``remat`` script's ``sys.path`` starts with the script's own folder."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``remat`` command line; returns the exit status."""
+    _import_from_cwd()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,14 +8,22 @@ import copy
 import functools
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from remat.solvers import format_bytes
 from remat.solvers.solve import CPSAT_SOLVERS, with_time_limit
 from remat.tools import bench, examples
+from remat.tools.files import write_dot, write_report_json, write_timeline
 from remat.tools.helptext import listed
-from remat.tools.output import dot, format_seconds, inspect_table, plan_table, train_table
+from remat.tools.output import (
+    format_seconds,
+    inspect_table,
+    plan_table,
+    time_ratio_line,
+    train_table,
+    values_table,
+)
+from remat.tools.plotting import pyplot
 from remat.tools.rows import (
     dominates,
     fastest_within,
@@ -134,25 +142,33 @@ def cmd_inspect(args, progress: Progress) -> int:
         if k:
             print()
         print(inspect_table(g, index, len(report.graphs), sort=args.sort, limit=args.limit))
-    _write_dot(args, [g for _, g in graphs], with_plan=False, progress=progress)
+    write_dot(args, [g for _, g in graphs], with_plan=False, progress=progress)
     return EXIT_OK
-
-
-def _write_dot(args, graphs, *, with_plan: bool, progress: Progress) -> None:
-    """``--dot FILE``: the graphs (and their plans) as Graphviz DOT."""
-    if args.dot:
-        path = Path(args.dot)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dot(graphs, with_plan=with_plan))
-        progress(f"wrote {path} (render: dot -Tsvg {path} -o graph.svg)")
 
 
 def cmd_plan(args, progress: Progress) -> int:
+    _check_plot(args.timeline, "--timeline")
     model, inputs = _load(args, progress)
     report = _plan(args, model, inputs, args.budget, _solver(args), progress)
-    print(plan_table(report, args.budget))
-    _write_dot(args, report.graphs, with_plan=True, progress=progress)
+    if args.json != "-":  # else stdout is the JSON's
+        print(plan_table(report, args.budget))
+        if args.values:
+            print()
+            print(values_table(report))
+    if args.json:
+        write_report_json(args, report, progress)
+    write_timeline(args, report, None, progress)
+    write_dot(args, report.graphs, with_plan=True, progress=progress)
     return EXIT_OK
+
+
+def _check_plot(path: str | None, option: str) -> None:
+    """A plot asked for without matplotlib is refused before minutes of tracing."""
+    if path:
+        try:
+            pyplot(option)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
 
 
 def cmd_train(args, progress: Progress) -> int:
@@ -161,6 +177,7 @@ def cmd_train(args, progress: Progress) -> int:
     op explains it."""
     import torch
 
+    _check_plot(args.timeline, "--timeline")
     model, inputs = _load(args, progress)
     eager = copy.deepcopy(model)
     optimized = _optimize(args, model)
@@ -170,7 +187,7 @@ def cmd_train(args, progress: Progress) -> int:
     }
     losses = _train(args, runs, inputs, progress)
     report = optimized.remat.report()
-    peaks, times = _measure(args, runs, inputs, _device_of(model), progress)
+    peaks, times, measured = _measure(args, runs, inputs, _device_of(model), progress)
     print(
         f"plan ({args.model}, budget {args.budget}, solver {args.solver}, compiler {args.compiler})"
     )
@@ -180,8 +197,9 @@ def cmd_train(args, progress: Progress) -> int:
     print()
     verdict, ok = _loss_verdict(losses, _draws_unreplayed_random(report))
     print(_peak_line(report, peaks))
-    print(f"step time: remat {times['remat'] / max(times['eager'], 1e-12):.2f}x eager's")
+    print(time_ratio_line(times))
     print(verdict)
+    write_timeline(args, report, measured, progress)
     return EXIT_OK if ok else EXIT_FAILED
 
 
@@ -236,29 +254,36 @@ def _train(args, runs: dict, inputs, progress: Progress) -> dict[str, list[float
     return losses
 
 
-def _measure(args, runs: dict, inputs, device, progress: Progress) -> tuple[dict, dict]:
-    """Each run's peak memory of one forward+backward and median time of a step."""
+def _measure(args, runs: dict, inputs, device, progress: Progress) -> tuple[dict, dict, Any]:
+    """Each run's peak memory of one forward+backward and the times of ``--repeat`` steps,
+    round by round in turn (a slow spell of a shared machine hits both); with
+    ``--timeline`` on the CPU, remat's memory over that forward+backward too (its peak is
+    the same measurement's)."""
     import torch
 
     from remat import memory
 
-    peaks, times = {}, {}
+    over_time = bool(args.timeline) and torch.device(device).type == "cpu"
+    if args.timeline and not over_time:
+        progress("--timeline: memory over time is measured on the CPU only; plotting the plan")
+    peaks, measured = {}, None
     for name, (m, opt) in runs.items():
-        progress(
-            f"measuring {name}: peak memory of one forward+backward, then "
-            f"{args.repeat} timed steps..."
-        )
+        progress(f"measuring {name}: peak memory of one forward+backward...")
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(args.seed)
-        peaks[name] = memory.peak(_forward_backward, m, inputs, device=device).peak_bytes
+        if name == "remat" and over_time:
+            measured = memory.trace(_forward_backward, m, inputs)
+            peaks[name] = measured.peak_bytes
+        else:
+            peaks[name] = memory.peak(_forward_backward, m, inputs, device=device).peak_bytes
         opt.zero_grad(set_to_none=True)
-        times[name] = memory.step_time(
-            functools.partial(_sgd_step, m, opt, inputs),
-            warmup=1,
-            repeat=args.repeat,
-            device=device,
-        )
-    return peaks, times
+    progress(f"timing {args.repeat} steps of each, in turn...")
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(args.repeat):
+        for name, (m, opt) in runs.items():
+            step = functools.partial(_sgd_step, m, opt, inputs)
+            times[name] += memory.step_times(step, warmup=int(i == 0), repeat=1, device=device)
+    return peaks, times, measured
 
 
 def _draws_unreplayed_random(report) -> bool:
@@ -335,13 +360,7 @@ def _bench_setup(args, progress: Progress) -> tuple[str | None, str, dict]:
             raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available to this torch")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError(
-                "--plot needs matplotlib: install the 'plot' extra (pip install -e '.[plot]')"
-            ) from None
+    _check_plot(args.plot, "--plot")
     try:
         model, _inputs = _load(args, progress)  # fails fast on an unknown model or --size key
     except ImportError as e:

@@ -112,7 +112,8 @@ def model_help() -> str:
     texts = {name: first_sentence(factory) for name, factory in EXAMPLES.items()}
     lines = [f"  {name}: {texts[name]}".replace("%", "%%") for name in sorted(EXAMPLES)]
     heading = (
-        "a built-in example or package.module:factory, a function returning "
-        "(model, example_inputs) whose model(*example_inputs) is a scalar loss; the built-ins:"
+        "a built-in example or package.module:factory (importable, or in the current "
+        "folder), a function returning (model, example_inputs) whose model(*example_inputs) "
+        "is a scalar loss; the built-ins:"
     )
     return "\n".join([heading, *lines])

@@ -1,14 +1,17 @@
 """What the ``remat`` commands print about a model: the joint graph (``inspect``), a plan
-(``plan``, ``train``) and a training comparison (``train``)."""
+and its values by module (``plan``, ``train``), a training comparison (``train``), and the
+graphs as DOT."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
 from tabulate import tabulate
 
 from remat.solvers import format_bytes
+from remat.values import TOP_LEVEL, module_paths, recomputed
 
 __all__ = [
     "INSPECT_COLUMNS",
@@ -16,7 +19,10 @@ __all__ = [
     "format_seconds",
     "inspect_table",
     "plan_table",
+    "time_ratio_line",
+    "time_spread",
     "train_table",
+    "values_table",
 ]
 
 INSPECT_COLUMNS = (
@@ -123,7 +129,7 @@ def plan_table(report, budget: str) -> str:
         ("budget", lambda g: format_bytes(g.limit)),
         ("saved values", lambda g: len(g.plan.saved)),
         ("saved bytes", lambda g: format_bytes(g.saved_bytes)),
-        ("recomputed values", lambda g: len(g.plan.recomputed)),
+        ("recomputed values", lambda g: len(recomputed(g.plan))),
         ("recomputed bytes", lambda g: format_bytes(_recomputed_bytes(g))),
         ("predicted peak", lambda g: format_bytes(g.plan.peak)),
         ("store-all peak", lambda g: format_bytes(g.store_all.peak)),
@@ -161,7 +167,32 @@ def _space(plan) -> str:
 
 def _recomputed_bytes(g) -> int:
     problem = g.extracted.problem
-    return sum(problem.nodes[i].bytes for i in g.plan.recomputed)
+    return sum(problem.nodes[i].bytes for i in recomputed(g.plan))
+
+
+def values_table(report) -> str:
+    """``remat plan --values``: each value the plans that run save or recompute, as
+    ``module: op``, in execution order, with a count per plan."""
+    values = report.values()
+    if not values:
+        return "no value is saved or recomputed"
+    rows = [
+        (f"{v.module or TOP_LEVEL}: {v.op}", v.kind, format_bytes(v.bytes), v.graph, v.name)
+        for v in values
+    ]
+    headers = ("value (module: op)", "plan", "bytes", "graph", "fx node")
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    counts = {
+        kind: (sum(v.kind == kind for v in values), sum(v.bytes for v in values if v.kind == kind))
+        for kind in ("saved", "recomputed")
+    }
+    where = "the step's joint plan" if report.steps else "each graph's plan"
+    summary = (
+        f"values of {where}: "
+        + ", ".join(f"{n} {kind} ({format_bytes(b)})" for kind, (n, b) in counts.items())
+        + "; a view has 0 bytes (it keeps its base's storage)"
+    )
+    return f"{table}\n{summary}"
 
 
 def _overhead(g) -> float:
@@ -187,9 +218,9 @@ def train_table(args, report, peaks, times, losses) -> str:
         ),
         ("budget", "-", budget),
         (
-            f"step time (median of {args.repeat})",
-            format_seconds(times["eager"]),
-            format_seconds(times["remat"]),
+            f"step time (median of {args.repeat}, min-max)",
+            time_spread(times["eager"]),
+            time_spread(times["remat"]),
         ),
     ]
     for i, (a, b) in enumerate(zip(losses["eager"], losses["remat"], strict=True)):
@@ -197,32 +228,80 @@ def train_table(args, report, peaks, times, losses) -> str:
     return tabulate(rows, headers=("", "eager", "remat"), tablefmt="simple", disable_numparse=True)
 
 
+def time_spread(times: list[float]) -> str:
+    """The median of timed rounds with their range: '12.3 ms (11.9 ms - 13.0 ms)'."""
+    median = statistics.median(times)
+    return f"{format_seconds(median)} ({format_seconds(min(times))} - {format_seconds(max(times))})"
+
+
+def time_ratio_line(times: dict[str, list[float]]) -> str:
+    """remat's step time over eager's, round by round (each round timed one step of
+    each): the median ratio and its range, the spread a single number hides."""
+    ratios = [r / max(e, 1e-12) for r, e in zip(times["remat"], times["eager"], strict=True)]
+    median = statistics.median(ratios)
+    return (
+        f"step time: remat {median:.2f}x eager's (median over {len(ratios)} rounds, "
+        f"{min(ratios):.2f}x - {max(ratios):.2f}x)"
+    )
+
+
 # Fill colours of ``dot``: what a plan does with each forward value.
 _DOT_FILL = {"saved": "#9ecae1", "recomputed": "#fdae6b", "fwd": "#ffffff", "bwd": "#d9d9d9"}
+# What each fill means, in the legend every DOT file carries (with a plan / without)
+_DOT_MEANING = {
+    "saved": "saved: kept from the forward for the backward",
+    "recomputed": "recomputed: run again in the backward",
+    "fwd": "forward value",
+    "bwd": "backward value (reads the loss gradient)",
+}
+_DOT_PLAN_FWD = "forward value not kept (freed in the forward, or computed once in the backward)"
 
 
 def dot(graphs, *, with_plan: bool = False) -> str:
     """The joint graphs as Graphviz DOT, one cluster per graph: a box per value (name, op,
-    bytes) and an edge per read. ``with_plan`` fills each graph's saved values blue and
-    its recomputed ones orange (backward values grey, the rest white)."""
+    bytes, module path) and an edge per read, with a legend. ``with_plan`` fills each
+    graph's saved values blue and its recomputed ones orange (backward values grey, the
+    rest white)."""
     lines = ["digraph remat {", "  rankdir=TB;", "  node [shape=box, style=filled, fontsize=9];"]
     for k, g in enumerate(graphs):
-        problem, plan = g.extracted.problem, g.plan
+        problem, plan, fx_nodes = g.extracted.problem, g.plan, g.extracted.fx_nodes
+        again = recomputed(plan)
+        paths = module_paths(fx_nodes[0].graph.nodes) if fx_nodes else {}
         lines += [f"  subgraph cluster_{k} {{", f'    label="{_dot_text(g.name)}";']
         for i, node in enumerate(problem.nodes):
             role = node.phase
             if with_plan and i in plan.saved:
                 role = "saved"
-            elif with_plan and i in plan.recomputed:
+            elif with_plan and i in again:
                 role = "recomputed"
             op = node.op.removesuffix(".default")
-            label = _dot_text(f"{node.name}\\n{op}\\n{format_bytes(node.bytes)}")
+            module = paths.get(fx_nodes[i]) or TOP_LEVEL
+            label = _dot_text(f"{node.name}\\n{op}\\n{format_bytes(node.bytes)}\\n{module}")
             lines.append(f'    g{k}n{i} [label="{label}", fillcolor="{_DOT_FILL[role]}"];')
         for i, node in enumerate(problem.nodes):
             lines += [f"    g{k}n{j} -> g{k}n{i};" for j in node.inputs]
         lines.append("  }")
+    lines += _dot_legend(with_plan)
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _dot_legend(with_plan: bool) -> list[str]:
+    """A cluster explaining the fills, the box's lines and the edges."""
+    roles = ("saved", "recomputed", "fwd", "bwd") if with_plan else ("fwd", "bwd")
+    meaning = {**_DOT_MEANING, **({"fwd": _DOT_PLAN_FWD} if with_plan else {})}
+    lines = ["  subgraph cluster_legend {", '    label="legend";']
+    for role in roles:
+        text = _dot_text(meaning[role])
+        lines.append(f'    legend_{role} [label="{text}", fillcolor="{_DOT_FILL[role]}"];')
+    box = "a box: fx node name, op, bytes it allocates (0: a view), module path"
+    lines += [
+        f'    legend_box [label="{box}", shape=plaintext, style=""];',
+        '    legend_reader [label="an edge points from a value to a node that reads it", '
+        'shape=plaintext, style=""];',
+        "  }",
+    ]
+    return lines
 
 
 def _dot_text(text: str) -> str:

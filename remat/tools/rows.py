@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.solvers import format_bytes
+from remat.tools.plotting import pyplot
 
 __all__ = [
     "Row",
@@ -238,15 +239,7 @@ def write_csv(rows: Sequence[Row], path: str | Path) -> None:
 
 def plot_rows(rows: Sequence[Row], path: str | Path, *, title: str = "") -> None:
     """Peak memory against step time, one curve per method (and remat solver), as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "--plot needs matplotlib: install the 'plot' extra (pip install -e '.[plot]')"
-        ) from e
+    plt = pyplot("--plot")
     groups: dict[str, list[Row]] = {}
     for r in rows:
         if r.step_s is None or r.peak_bytes is None:

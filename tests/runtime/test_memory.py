@@ -235,6 +235,34 @@ def test_step_time_counts_calls_and_returns_median():
         step_time(lambda: None, warmup=-1)
 
 
+def test_step_times_returns_each_round():
+    calls = []
+    times = memory.step_times(lambda: calls.append(1), warmup=1, repeat=4)
+    assert len(calls) == 5 and len(times) == 4
+    assert all(isinstance(t, float) and 0 <= t < 0.1 for t in times)
+
+
+def test_trace_is_peak_over_time():
+    """Two 4 MiB tensors alive together, one freed, a third allocated: the live bytes
+    rise to 8 MiB, fall to 4 and rise again, in time order; the maximum is ``peak``'s."""
+
+    def fn():
+        a = torch.ones(N)
+        b = torch.ones(N)
+        del a
+        c = torch.ones(N)
+        return (b.sum() + c.sum()).item()
+
+    t = memory.trace(fn)
+    assert t.result == 2 * N
+    assert len(t.seconds) == len(t.live_bytes) and list(t.seconds) == sorted(t.seconds)
+    assert t.peak_bytes == max(t.live_bytes) == approx(2 * FOUR)
+    assert t.peak_bytes == approx(peak(fn).peak_bytes)
+    big = [b for b in t.live_bytes if b >= FOUR]
+    top = big.index(max(big))
+    assert min(big[top:]) == approx(FOUR)  # a is freed after the peak
+
+
 def test_cuda_branch_logic_with_fake_counters(monkeypatch):
     """Runs everywhere: the CUDA path's call order and arithmetic, against fake counters."""
     log = []

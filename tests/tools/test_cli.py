@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 import pytest
 
 from remat.costs import COMPILERS, COST_MODELS
-from remat.solvers import SOLVERS
+from remat.solvers import SOLVERS, format_bytes
 from remat.tools.cli import main
 from remat.tools.examples import EXAMPLES
 from remat.tools.helptext import COMPILER_TEXT, COST_MODEL_TEXT
@@ -32,6 +33,11 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def parse_bytes(text: str) -> float:
     number, unit = text.split()
     return float(number) * UNITS[unit]
+
+
+def parse_seconds(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * {"s": 1, "ms": 1e-3, "µs": 1e-6}[unit]
 
 
 def key_values(out: str) -> dict[str, str]:
@@ -106,6 +112,20 @@ def test_plan_writes_the_graph_and_plan_as_dot(capsys, tmp_path):
     assert ids == set(range(len(ids))) and edges
     assert all(int(a) < int(b) and int(a) in ids for a, b in edges)  # reads run earlier
     assert "addmm" in text and "wrote" in err
+    # a legend in the file explains every fill it uses, and the box's lines
+    legend = re.findall(r'legend_(\w+) \[label="([^"]*)", fillcolor="([^"]*)"\]', text)
+    assert {fill for _, _, fill in legend} == fills
+    meaning = {role: label for role, label, _ in legend}
+    assert meaning["saved"].startswith("saved") and meaning["recomputed"].startswith("recomp")
+    assert "module path" in text
+
+
+def test_inspect_dot_legend_has_no_plan(capsys, tmp_path):
+    path = tmp_path / "graph.dot"
+    code, _, err = run(capsys, "inspect", *MLP, "-q", "--dot", str(path))
+    assert code == 0, err
+    legend = re.findall(r'legend_(\w+) \[label="[^"]*", fillcolor', path.read_text())
+    assert legend == ["fwd", "bwd"]
 
 
 # ----------------------------------------------------------------------------- plan
@@ -130,6 +150,66 @@ def test_plan_fraction(capsys, budget):
     assert rows["gap"][0].endswith("%") and rows["lower bound"][0] != "-"
     assert re.fullmatch(r"\d+\.\d{3} s", rows["solve time"][0])
     assert re.search(rf"budget {re.escape(budget)}: predicted peak .* \((\d+) B\)", out)
+
+
+def _predicted_bytes(out: str) -> int:
+    return int(re.search(r": predicted peak .* \((\d+) B\), .* \((\d+) B\)", out).group(1))
+
+
+def test_plan_values_by_module(capsys):
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "60%", "--values", "-q")
+    assert code == 0, err
+    table = out[out.index("value (module: op)") :]
+    rows = key_values(table)
+    kinds = {row[0] for row in rows.values() if row[0] in ("saved", "recomputed")}
+    assert kinds == {"saved", "recomputed"}
+    # the MLP's layers are blocks.0.0 (Linear), blocks.0.1 (GELU), ...: its values are
+    # named by them
+    assert re.search(r"^blocks\.\d+\.1: gelu\s+recomputed", table, re.MULTILINE), table
+    summary = re.search(r"values of the step's joint plan: (\d+) saved .*, (\d+) recomputed", out)
+    plan = key_values(out)
+    assert summary and summary.groups() == (plan["saved values"][0], plan["recomputed values"][0])
+
+
+def test_plan_json(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "60%", "--json", str(path), "-q")
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert data["model"] == "mlp" and data["budget"] == "60%"
+    assert data["predicted_peak_bytes"] == _predicted_bytes(out)  # to the byte
+    (graph,) = data["graphs"]
+    assert type(graph["saved_bytes"]) is int and type(graph["step_seconds"]) is float
+    assert graph["recomputed_values"] == int(key_values(out)["recomputed values"][0])
+    assert any(v["module"].startswith("blocks.") for v in data["steps"][0]["values"])
+
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "60%", "--json", "-", "-q")
+    assert code == 0, err
+    printed = json.loads(out)  # stdout holds the JSON alone
+    assert set(printed) == set(data)
+    assert printed["predicted_peak_bytes"] == data["predicted_peak_bytes"]
+
+
+def test_plan_timeline(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="the 'plot' extra (matplotlib) is not installed")
+    path = tmp_path / "out" / "memory.png"
+    code, out, err = run(capsys, "plan", *MLP, "--budget", "60%", "--timeline", str(path))
+    assert code == 0, err
+    assert path.read_bytes().startswith(b"\x89PNG") and "memory.json" in err
+    data = json.loads(path.with_suffix(".json").read_text())
+    assert max(data["predicted"]["bytes"]) == _predicted_bytes(out)  # to the byte
+    store_all = int(re.search(r"store-all peak .* \((\d+) B\)$", out, re.MULTILINE).group(1))
+    assert max(data["store_all"]["bytes"]) == store_all
+    assert data["predicted"]["peak_bytes"] <= data["limit_bytes"] < store_all
+    assert "measured" not in data  # nothing ran
+
+
+def test_timeline_without_matplotlib_is_refused_before_tracing(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    for command in ("plan", "train"):
+        code, out, err = run(capsys, command, *MLP, "--budget", "60%", "--timeline", "t.png")
+        assert_usage_error(code, err, "--timeline needs matplotlib", "'plot' extra")
+        assert out == ""
 
 
 def test_plan_absolute_budget_and_store_all(capsys):
@@ -223,6 +303,24 @@ def test_user_factory_module(capsys, tmp_path, monkeypatch):
     assert err == ""  # --quiet
 
 
+def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
+    """``remat`` finds ``module:factory`` in the current folder, as ``python -m`` would,
+    though the console script's ``sys.path`` does not hold it."""
+    (tmp_path / "models_here.py").write_text(
+        "import torch\n\n"
+        "def make():\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())\n"
+        "    return net, (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    here = {"", ".", str(tmp_path)}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in here])
+    monkeypatch.delitem(sys.modules, "models_here", raising=False)
+    code, out, err = run(capsys, "inspect", "models_here:make", "-q")
+    assert code == 0, err
+    assert "tanh" in out
+
+
 # ----------------------------------------------------------------------------- train
 
 
@@ -237,8 +335,18 @@ def test_train_eager_vs_remat(capsys):
     predicted = parse_bytes(rows["predicted peak"][1])
     assert remat_peak <= 1.05 * predicted + 4096
     assert rows["budget"][1].startswith("60% = ")
-    times = rows["step time (median of 2)"]
-    assert all(re.fullmatch(r"[\d.]+ (s|ms|µs)", t) for t in times)
+    time = r"[\d.]+ (s|ms|µs)"
+    spreads = [re.fullmatch(rf"({time}) \(({time}) - ({time})\)", t)
+               for t in rows["step time (median of 2, min-max)"]]  # fmt: skip
+    assert all(spreads), rows
+    for spread in spreads:
+        median, low, high = (parse_seconds(spread.group(k)) for k in (1, 3, 5))
+        assert low <= median <= high
+    ratio = re.search(r"step time: remat ([\d.]+)x eager's \(median over 2 rounds, "
+                      r"([\d.]+)x - ([\d.]+)x\)", out)  # fmt: skip
+    assert ratio, out
+    median, low, high = map(float, ratio.groups())
+    assert low <= median <= high
     for step in (1, 2):
         eager_loss, remat_loss = map(float, rows[f"loss step {step}"])
         assert eager_loss == pytest.approx(remat_loss, rel=1e-5)
@@ -258,6 +366,23 @@ def test_train_in_bfloat16(capsys):
     _, float32_out, _ = run(capsys, *argv)
     float32_peak = parse_bytes(key_values(float32_out)["peak memory (measured, fwd+bwd)"][0])
     assert eager_peak < 0.75 * float32_peak  # activations and gradients in two bytes, not four
+
+
+def test_train_timeline_has_the_measured_memory(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="the 'plot' extra (matplotlib) is not installed")
+    path = tmp_path / "train.png"
+    argv = ["train", *MLP, "--budget", "60%", "--steps", "1", "--repeat", "1", "-q"]
+    code, out, err = run(capsys, *argv, "--timeline", str(path))
+    assert code == 0, err
+    assert path.read_bytes().startswith(b"\x89PNG")
+    data = json.loads(path.with_suffix(".json").read_text())
+    measured = data["measured"]
+    assert max(measured["bytes"]) == measured["peak_bytes"]
+    assert len(measured["seconds"]) == len(measured["bytes"])
+    # the measured peak is the one the table prints
+    rows = key_values(out)
+    assert format_bytes(measured["peak_bytes"]) == rows["peak memory (measured, fwd+bwd)"][1]
+    assert max(data["predicted"]["bytes"]) == _predicted_bytes(out)
 
 
 def test_train_infeasible_budget(capsys):
