@@ -91,7 +91,12 @@ def test_with_the_loss_outside_a_low_budget_is_refused_when_the_step_ends(caplog
     retry = remat.optimize(model, budget=refusal.value.minimum)
     for _ in range(2):
         _step(retry, model, x, y)
-    assert retry.remat.report().predicted_peak <= refusal.value.minimum
+    report = retry.remat.report()
+    assert report.predicted_peak <= refusal.value.minimum
+    # the graph's first-step share left room for the loss outside; the step's budget is
+    # the whole step's: the printed report says why the two rows differ
+    assert report.graphs[0].limit != report.steps[0].limit
+    assert "Graph rows: each graph's plan for the first step" in str(report)
 
 
 def test_a_device_budget_is_refused_where_there_is_no_cuda(monkeypatch):
