@@ -61,13 +61,13 @@ class InfeasibleBudget(RematError, ValueError):
                 "by CP-SAT)." if proven else ""
             )  # fmt: skip
         fraction = needed_fraction(minimum, self.reference)
-        as_fraction = "" if fraction is None else f" (as a fraction: {fraction})"
+        as_fraction = "" if fraction is None else f", or {fraction} as a fraction"
         super().__init__(
             f"budget {asked} is below {what}{where if graph else ''}: {lowest} ({minimum} "
             f"bytes, {minimum / max(store_all, 1):.1%} of the store-all peak "
             f"{format_bytes(store_all)}).{proof} Raise the budget to at least {minimum} "
-            f'bytes{as_fraction}, or pass budget="min" for the lowest peak.'
-            + (f" {note}" if note else "")
+            f'bytes (budget="{minimum}B"{as_fraction}), or pass budget="min" for the lowest '
+            "peak." + (f" {note}" if note else "")
         )
 
 

@@ -210,7 +210,8 @@ def test_infeasible_budget_names_the_minimum_in_bytes_and_as_a_fraction():
     assert format_bytes(1000) in text
     assert "mlp" in text
     assert "12.5%" in text  # 123456 / 987654 of the store-all peak
-    assert "as a fraction: 0.125" in text and Budget.parse(0.125).resolve(987654) >= 123456
+    assert "0.125 as a fraction" in text and Budget.parse(0.125).resolve(987654) >= 123456
+    assert 'budget="123456B"' in text and Budget.parse("123456B").nbytes == 123456
     assert "lowest peak remat found" in text and "proven" not in text
     assert '"min"' in text
 
@@ -230,7 +231,7 @@ def test_a_refusal_prints_bytes_where_rounding_hides_the_difference():
 def test_the_fraction_a_refusal_names_is_measured_against_the_users_program():
     """Where the user's own checkpointing peaks below store-all, a fraction is of that."""
     text = str(InfeasibleBudget(1000, 5000, 20_000, "g", reference=10_000))
-    assert "as a fraction: 0.5)" in text
+    assert "0.5 as a fraction)" in text
 
 
 def test_infeasible_budget_from_solve_names_the_real_minimum():
