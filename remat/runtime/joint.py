@@ -62,7 +62,7 @@ def plan_step(
     against the composed problem's store-all peak; with ``release``, counting the outputs
     its caller dropped before the backwards as freed there (``Step.released``). A step of
     one run whose compile-time plan already fits keeps it, unless that plan left room for
-    code outside (``planner.outside_reserve``): now measured; so does a step recorded because
+    code outside (``first_step.outside_reserve``): now measured; so does a step recorded because
     its sizes grew past ``grown`` (the joint plan of the same runs at smaller sizes), with
     ``grown``'s programs where they still fit, else its runs' own: sizes that grow cost a
     solve only where neither fits. ``InfeasibleBudget`` in the step's terms where nothing

@@ -1,5 +1,5 @@
 """The first step keeps the budget: each graph's compile-time plan leaves room for the code
-after it (``planner.outside_reserve``)."""
+after it (``first_step.outside_reserve``)."""
 
 from __future__ import annotations
 
