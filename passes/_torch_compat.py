@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 from collections.abc import Iterator
 
@@ -53,6 +54,7 @@ __all__ = [
     "SUPPORTED",
     "needed",
     "graph_copy",
+    "profiler_range_notes_off",
     "after_backward",
     "backward_holds_tangents",
     "BackendCompilerFailed",
@@ -219,6 +221,24 @@ def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
         return copy.deepcopy(gm)
+
+
+@contextlib.contextmanager
+def profiler_range_notes_off() -> Iterator[None]:
+    """Without dynamo's warning that a profiler range in the code it traces is left out of
+    the compiled graph (``Profiler record function ... will be ignored``), while remat
+    compiles a user's model: DDP's forward opens one at every call, and a range has no
+    place inside a planned program; nothing a user of remat can act on."""
+    notes = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    notes.addFilter(_profiler_range_note)
+    try:
+        yield
+    finally:
+        notes.removeFilter(_profiler_range_note)
+
+
+def _profiler_range_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Profiler record function")
 
 
 def min_cut_partition(

@@ -16,7 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from remat.backends import InductorPartitioner, RematBackend
 from remat.cache import CacheLike, open_cache
+from remat.config import budget as configured_budget
 from remat.config import option
+from remat.device_budget import check_available
 from remat.errors import (
     EagerFallback,
     InvalidOption,
@@ -30,11 +32,12 @@ from remat.passes._torch_compat import (
     dynamo_config,
     fsdp_resized_tensors,
     has_fsdp,
+    profiler_range_notes_off,
     tree_flatten,
 )
 from remat.planner import Planner
 from remat.report import PlanReport
-from remat.solvers.budget import Budget, BudgetLike
+from remat.solvers.budget import BudgetLike
 from remat.solvers.solve import Solver
 
 ON_FAILURE = ("eager", "raise")  # what optimize does where remat cannot compile a model
@@ -51,8 +54,10 @@ def backend(
     """A backend for ``torch.compile(model, backend=remat.backend(budget=...))``. Options
     not given come from ``remat.configure`` or ``REMAT_*`` variables (``remat.config``);
     ``cache``: ``remat.cache.open_cache``."""
+    parsed = configured_budget(budget)
+    check_available(parsed)
     return RematBackend(
-        Budget.parse(option("budget", budget)),
+        parsed,
         solver=option("solver", solver),
         compiler=option("compiler", compiler),
         cost_model=option("cost_model", cost_model),
@@ -68,8 +73,10 @@ def partitioner(
     cache: CacheLike = None,
 ) -> InductorPartitioner:
     """A ``CustomPartitionerFn`` for ``torch._inductor.config.custom_partitioner_fn``."""
+    parsed = configured_budget(budget)
+    check_available(parsed)
     planner = Planner(
-        Budget.parse(option("budget", budget)),
+        parsed,
         solver=option("solver", solver),
         cost_model=option("cost_model", cost_model),
         compiler="inductor",
@@ -109,8 +116,12 @@ def optimize(
             computes the loss (``lambda x, y: F.cross_entropy(net(x), y)``) puts the loss
             in the plan.
         budget: the cap on the step's peak bytes above what is resident before it:
-            ``int`` bytes, a ``float`` fraction in (0, 1] of the store-all plan's peak, or
-            a string (``"2GiB"``, ``"40%"``); read once by ``Budget.parse``.
+            ``int`` bytes (4096 or more: a smaller one is refused as ambiguous), a
+            ``float`` fraction in (0, 1] of the store-all plan's peak (or of your own
+            checkpointed program's, where that is lower), a string (``"2GiB"``,
+            ``"40%"``), ``"min"`` (the lowest peak remat can reach) or ``"device"`` (what
+            the CUDA device has free at the first step, less a 10% margin:
+            ``remat.device_budget``); read once by ``Budget.parse``.
         solver: a name from ``remat.solvers.SOLVERS`` (default ``"auto"``) or a callable
             ``(problem, limit) -> Plan`` (``remat.solvers.Solver``).
         compiler: what runs the planned programs: ``"eager"`` (default) or
@@ -249,7 +260,8 @@ def _guarded(
             # Past its recompile limit dynamo would run the step eagerly, outside the
             # budget, with only a log warning: fail instead (unless errors are suppressed,
             # which dynamo does not allow together with this).
-            with dynamo.patch(fail_on_recompile_limit_hit=not dynamo.suppress_errors):
+            fail = not dynamo.suppress_errors
+            with dynamo.patch(fail_on_recompile_limit_hit=fail), profiler_range_notes_off():
                 out = compiled(*args, **kwargs)
         except BackendCompilerFailed as failure:
             # A budget or option error is the user's to fix: show it, not dynamo's wrapper.

@@ -4,6 +4,7 @@ under the eager compiler, run step by step (``remat.runtime``)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -119,12 +120,22 @@ class RematBackend:
         compiled, not at the partition: AOTAutograd may edit the programs in between
         (effect tokens, saved-tensors hooks), and they must be read as they will run."""
         planned: list[CompiledGraph] = []  # the graph of this compile, if it needs gradients
+        alone = self.steps.starting() and _ends_its_frame(gm)
+        log.info("remat: tracing the backward of a %d-node forward...", len(gm.graph.nodes))
+        tracing = time.perf_counter()
 
         def partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_ignored):
-            held = self.steps.held_now()
-            compiled = self.planner.plan(
-                joint, num_fwd_outputs, leaves=leaves, held=held, seen=seen
+            log.info(
+                "remat: forward and backward traced in %.1fs: %d nodes",
+                time.perf_counter() - tracing,
+                len(joint.graph.nodes),
             )
+            compiled = self.planner.plan(
+                joint, num_fwd_outputs, leaves=leaves, held=self.steps.held_now(), seen=seen,
+                held_stored=self.steps.held_now(stored=True),
+                stored_peak=self.steps.stored_peak(), alone=alone,
+            )  # fmt: skip
+            self.steps.budget = self.planner.budget  # "device" is bytes once planned
             add_marker_slot(compiled.forward, compiled.backward, num_fwd_outputs)
             planned.append(compiled)
             return compiled.forward, compiled.backward
@@ -143,6 +154,13 @@ class RematBackend:
 
     def report(self) -> PlanReport:
         return PlanReport(tuple(self.planner.graphs), tuple(self.steps.plans))
+
+
+def _ends_its_frame(gm: torch.fx.GraphModule) -> bool:
+    """Whether dynamo compiled ``gm`` at its frame's return, not at a graph break (after
+    which more of the frame runs, in graphs of its own)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    return reason is not None and not reason.graph_break
 
 
 def _concrete(value) -> tuple[int | None, ...] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from remat.errors import InvalidOption
+from remat.solvers.budget import Budget, BudgetLike
 
 # option -> (environment variable, built-in default; None: the option must be given)
 OPTIONS: dict[str, tuple[str, object]] = {
@@ -41,10 +42,34 @@ def configure(**options: object) -> None:
 def option(name: str, given: object = None) -> object:
     """``given``, else the configured value, else ``REMAT_<NAME>``, else the built-in
     default; ``InvalidOption`` saying where to set it when there is none."""
+    return _option_and_source(name, given)[0]
+
+
+def budget(given: BudgetLike | None = None) -> Budget:
+    """The budget ``option`` finds, parsed once (``Budget.parse``); an error in one read
+    from ``REMAT_BUDGET`` names the variable."""
+    value, source = _option_and_source("budget", given)
+    try:
+        return Budget.parse(value)
+    except InvalidOption as e:
+        if source != "environment":
+            raise
+        raise InvalidOption(f"{OPTIONS['budget'][0]}={value}: {e}") from None
+
+
+def _option_and_source(name: str, given: object) -> tuple[object, str]:
+    """``option``'s value and where it came from: "call", "configure", "environment" or
+    "default"."""
     variable, default = OPTIONS[name]
-    for value in (given, _configured.get(name), os.environ.get(variable) or None, default):
+    found = (
+        (given, "call"),
+        (_configured.get(name), "configure"),
+        (os.environ.get(variable) or None, "environment"),
+        (default, "default"),
+    )
+    for value, source in found:
         if value is not None:
-            return value
+            return value, source
     raise InvalidOption(
         f"remat needs a {name}: pass {name}=... (e.g. {name}=0.5, half of the store-all "
         f'peak, or "2GiB"), call remat.configure({name}=...), or set {variable}'

@@ -9,6 +9,9 @@ backward begins (the loss's forward and backward run there, while everything the
 saved is alive), as the step's own plan later counts the measured code outside
 (``solvers.step.Outside``). Room at that one moment, not through the whole step: the
 forward's peak and the backward's are the graph's own.
+
+Also here: whether a graph is the whole step (``only_a_loss``, with ``Planner``'s
+``alone``), and a graph's refusal in the step's terms (``with_the_rest``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from remat.passes.extract import Extracted, is_root_tangent, is_tangent
-from remat.solvers import Plan, Problem, evaluate
+from remat.solvers import InfeasibleBudget, Plan, Problem, evaluate, format_bytes
 from remat.solvers.step import Composed, Outside, Step, compose, joint_saved, split, split_orders
 
 # What a loss over an output peaks at between the graph's forward and its backward, in
@@ -55,3 +58,37 @@ def own_plan(composed: Composed, plan: Plan, problem: Problem) -> Plan:
     order = split_orders(composed, plan)[0] if plan.ordered else None
     own = evaluate(problem, saved, backward=order, solver=plan.solver, limit=plan.limit)
     return dataclasses.replace(own, status=plan.status, bound=plan.bound)
+
+
+_SCALAR_BYTES = 8  # one element of the widest float a loss is in (float64)
+
+
+def only_a_loss(extracted: Extracted) -> bool:
+    """Whether the graph returns a scalar loss and nothing else: then its problem holds
+    what the step's would (an output it holds to the step's end, the step may free)."""
+    outputs = extracted.problem.outputs
+    return len(outputs) == 1 and extracted.problem.nodes[outputs[0]].bytes <= _SCALAR_BYTES
+
+
+def with_the_rest(
+    refusal: InfeasibleBudget, held: int, reference: int | None = None
+) -> InfeasibleBudget:
+    """A graph's refusal in the budget's terms: its limit and minimum with ``held``, what
+    the rest of the step is counted to hold beside it (a graph's plan is its last word
+    where no step is planned as one: under inductor)."""
+    r = refusal
+    if not held:
+        return InfeasibleBudget(
+            r.limit, r.minimum, r.store_all, r.graph, r.proven, r.note,
+            lowest_proven=r.lowest_proven, reference=reference,
+        )  # fmt: skip
+    note = (
+        f"That counts {format_bytes(held)} for the rest of the step beside the graph (what "
+        "earlier graphs keep, and room for the code after it: docs/guide.md, 'What the "
+        "budget covers')."
+    )
+    return InfeasibleBudget(
+        r.limit + held, r.minimum + held, r.store_all + held, r.graph, r.proven, note=note,
+        lowest_proven=r.lowest_proven,
+        reference=None if reference is None else reference + held,
+    )  # fmt: skip

@@ -31,7 +31,15 @@ from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.candidates import YOURS, cheaper_and_fits, still_fitting, user_plan
 from remat.costs import CostModel, check_cost_model
-from remat.first_step import in_room, outside_reserve, own_plan, with_room
+from remat.device_budget import on_device
+from remat.first_step import (
+    in_room,
+    only_a_loss,
+    outside_reserve,
+    own_plan,
+    with_room,
+    with_the_rest,
+)
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import (
@@ -47,8 +55,10 @@ from remat.solvers import (
     InfeasibleBudget,
     Plan,
     Problem,
+    format_apart,
     format_bytes,
     held_bytes,
+    lowest_budget,
     min_peak_plan,
     saved_bytes,
     solve,
@@ -159,6 +169,9 @@ class Planner:
         leaves: frozenset[tuple[int, int]] = frozenset(),
         held: int = 0,
         seen: Sequence[tuple | None] = (),
+        held_stored: int = 0,
+        stored_peak: int = 0,
+        alone: bool = False,
     ) -> CompiledGraph:
         """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
         rewrite it into programs.
@@ -166,11 +179,16 @@ class Planner:
         ``leaves``: (identity, bytes) of its inputs autograd accumulates a gradient into
         (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes
         the runs before it in the step hold while it runs, which an absolute budget
-        leaves it less of. A graph with symbolic sizes is planned at the sizes it was
-        traced at, or larger ones an earlier trace of its code ran at (``seen``, per input
-        of the joint graph: ``Sizes.hints``); ``replan`` plans it again at larger ones.
+        leaves it less of; ``held_stored``: what they would hold had each stored
+        everything, and ``stored_peak``: the highest store-all peak among them, which a
+        fraction is of too (the step's store-all peak is at least each). ``alone``: the
+        first graph of its step, ending where its frame returns (no graph break after it).
+        A graph with symbolic sizes is planned at the sizes it was traced at, or larger
+        ones an earlier trace of its code ran at (``seen``, per input of the joint graph:
+        ``Sizes.hints``); ``replan`` plans it again at larger ones.
         """
         start = time.perf_counter()
+        self.budget = on_device(self.budget, _device_of(joint))  # "device": bytes from now on
         name = f"graph{len({g.name for g in self.graphs})}"
         compile_id = CompileContext.current_compile_id()
         with no_guards(joint):
@@ -189,7 +207,10 @@ class Planner:
             sizes = Sizes.of(joint)
             binding = sizes.hints(seen)
             prepared = time.perf_counter()
-            record = self._plan_at(joint, num_fwd_outputs, name, binding, held, leaves, compile_id)
+            record = self._plan_at(
+                joint, num_fwd_outputs, name, binding, held, leaves, compile_id,
+                held_stored=held_stored, stored_peak=stored_peak, alone=alone,
+            )  # fmt: skip
             solved = time.perf_counter()
             eager = self.compiler == "eager"
             fw, bw = rewrite(joint, record.extracted, record.plan, num_fwd_outputs, eager=eager)
@@ -204,7 +225,14 @@ class Planner:
         self._log(record, binding)
         return CompiledGraph(record, joint, num_fwd_outputs, fw, bw, sizes, binding)
 
-    def replan(self, compiled: CompiledGraph, binding: Binding, held: int = 0) -> GraphPlan:
+    def replan(
+        self,
+        compiled: CompiledGraph,
+        binding: Binding,
+        held: int = 0,
+        held_stored: int = 0,
+        stored_peak: int = 0,
+    ) -> GraphPlan:
         """``compiled``'s graph planned again at ``binding``, larger sizes than it was
         planned for (no trace: its programs serve every size). Its plan is kept where it
         still fits, which costs no solve and no new programs; else solved anew, with the
@@ -215,7 +243,7 @@ class Planner:
         with no_guards(compiled.joint):
             record = self._plan_at(
                 compiled.joint, compiled.num_fwd_outputs, r.name, binding, held, r.leaves,
-                r.compile_id, r.plan, grown,
+                r.compile_id, r.plan, grown, held_stored=held_stored, stored_peak=stored_peak,
             )  # fmt: skip
         self._log(record, binding)
         return record
@@ -231,10 +259,15 @@ class Planner:
         compile_id: CompileId | None,
         kept: Plan | None = None,
         extracted: Extracted | None = None,
+        *,
+        held_stored: int = 0,
+        stored_peak: int = 0,
+        alone: bool = False,
     ) -> GraphPlan:
         """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
         measured): ``kept`` (an earlier binding's plan) where it still fits, else the
-        solver's."""
+        solver's. ``held``, ``held_stored``, ``stored_peak``, ``alone``: as ``plan`` takes
+        them."""
         start = time.perf_counter()
         if extracted is None:
             with reading_at(binding):
@@ -245,16 +278,34 @@ class Planner:
         yours = user_plan(extracted, baseline)
         reserve = outside_reserve(extracted)
         reference = baseline.peak if yours is None else min(baseline.peak, yours.peak)
-        limit = self._graph_limit(reference, held, reserve)
+        agree = not binding
+        stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
+        limit = self._graph_limit(problem, stored, held, reserve, agree)
         plan = still_fitting(problem, kept, limit)
         if plan is None:
+            log.info(
+                "remat %s: solving %d nodes under %s (solver %s)...",
+                name,
+                len(problem),
+                format_bytes(limit),
+                getattr(self.solver, "__name__", self.solver),
+            )
             candidates = (
                 functools.partial(self._candidates, joint, num_fwd_outputs, extracted, yours)
                 if kept is None
                 else lambda: {f"{kept.solver} (kept)": kept.saved}
             )
+            whole = alone and not reserve and only_a_loss(extracted)
             plan = self._first_plan(
-                problem, limit + reserve, name, held, candidates, not binding, reserve
+                problem,
+                limit + reserve,
+                name,
+                held,
+                candidates,
+                agree,
+                whole,
+                reference,
+                reserve,
             )
             if self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
@@ -333,15 +384,16 @@ class Planner:
         held: int,
         candidates: Callable[[], dict[str, frozenset[int]]],
         agree: bool = True,
+        whole: bool = False,
+        reference: int | None = None,
         reserve: int = 0,
     ) -> Plan:
-        """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits) with
-        ``reserve`` bytes of room for the code after the graph (``remat.first_step``).
-        Where none fits and the step is planned as one at its end (which then fits the
-        budget or names the step's minimum), the lowest-peak plan; else the refusal.
-        ``held``: what earlier graphs of the step are counted to hold beside it. (A graph
-        alone over the budget is no proof the step is: its problem holds its outputs and
-        gradients to the step's end, which the step's may not.)"""
+        """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits), room for
+        the code after the graph kept (``first_step.with_room``). Where none fits: refused
+        where no step is planned as one (inductor) or the graph is the ``whole`` step
+        (before anything runs), else the lowest-peak plan: the step planned as one at its
+        end fits or names the step's minimum, which can be below the graph's (904 B against
+        912 B: a graph holds its outputs to the step's end). ``held``: earlier graphs'."""
         room = with_room(problem, reserve) if reserve else None
         planned = problem if room is None else room.problem
 
@@ -349,25 +401,31 @@ class Planner:
             found = candidates()
             return found if room is None else {k: in_room(room, v) for k, v in found.items()}
 
-        solver = self._cached(self.solver, agree)
-        if self.joint_follows and self.solver in CPSAT_SOLVERS:
-            # a refusal here names no minimum: skip that search
-            solver = self._cached(functools.partial(SOLVERS[self.solver], probes=0), agree)
+        def own(plan: Plan) -> Plan:
+            return plan if room is None else own_plan(room, plan, problem)
+
+        if whole or not self.joint_follows:
+            try:
+                return own(solve(planned, limit, self._cached(self.solver, agree), offered))
+            except InfeasibleBudget as refusal:
+                raise with_the_rest(refusal, held, reference) from None
+        solver = self.solver
+        if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
+            solver = functools.partial(SOLVERS[solver], probes=0)
         try:
-            plan = solve(planned, limit, solver, offered)
-        except InfeasibleBudget as refusal:
-            if not self.joint_follows:
-                raise _with_the_rest(refusal, held) from None
+            return own(solve(planned, limit, self._cached(solver, agree), offered))
+        except InfeasibleBudget:
+            lowest = min_peak_plan(planned)
             log.warning(
-                "remat %s: no plan fits what is left of the budget for it (%s; the rest of "
-                "the step is counted at %s): its first step runs its lowest-peak plan and "
-                "may exceed the budget; the step is planned as one after it.",
+                "remat %s: its first step runs at its lowest peak %s, above the %s left of "
+                "the budget for it (the rest of the step counted at %s). Nothing is wrong "
+                "yet: the whole step is planned as one when it ends, and from the next step "
+                "on fits the budget, or the budget is refused naming the step's minimum.",
                 name,
-                format_bytes(limit),
+                *format_apart(lowest.peak, limit),
                 format_bytes(held + reserve),
             )
-            plan = min_peak_plan(planned)
-        return plan if room is None else own_plan(room, plan, problem)
+            return own(lowest)
 
     def _cached(self, solver: str | Solver, agree: bool = True) -> str | Solver:
         return planning_solver(solver, self.cache, agree)
@@ -415,33 +473,22 @@ class Planner:
         )
         return extracted
 
-    def _graph_limit(self, store_all_peak: int, held: int, reserve: int) -> int:
-        """This graph's share of the budget in its first step: bytes are what the ``held``
-        bytes of earlier runs and the ``reserve`` for the code after it leave; a fraction
-        applies to its own store-all peak with the reserve, less the reserve."""
+    def _graph_limit(
+        self, problem, stored: int, held: int, reserve: int, agree: bool = True
+    ) -> int:
+        """This graph's share of the budget in its first step. Bytes: what the ``held``
+        bytes of earlier runs and the ``reserve`` for the code after it leave. A fraction:
+        of the step's store-all peak so far (``stored``: with the graph's own and the
+        reserve), less what the earlier runs hold and the reserve. ``"min"``: the graph's
+        own lowest peak."""
+        if self.budget.lowest:
+            return lowest_budget(problem, self._cached(self.solver, agree))
         if self.budget.fraction is not None:
-            return max(self.budget.resolve(store_all_peak + reserve) - reserve, 1)
+            return max(self.budget.resolve(stored) - held - reserve, 1)
         return max(self.budget.nbytes - held - reserve, 1)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
         return CostModel.for_graph(self.cost_model, joint, _device_of(joint), self.compiler)
-
-
-def _with_the_rest(refusal: InfeasibleBudget, held: int) -> InfeasibleBudget:
-    """A graph's refusal in the budget's terms: its limit and minimum with ``held``, what
-    the rest of the step is counted to hold beside it (a graph's plan is its last word
-    where no step is planned as one: under inductor)."""
-    if not held:
-        return refusal
-    r = refusal
-    note = (
-        f"That counts {format_bytes(held)} for the rest of the step beside the graph (what "
-        "earlier graphs keep, and room for the code after it: docs/guide.md, 'What the "
-        "budget covers')."
-    )
-    return InfeasibleBudget(
-        r.limit + held, r.minimum + held, r.store_all + held, r.graph, r.proven, note=note
-    )
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 from tabulate import tabulate
@@ -127,7 +128,30 @@ class PlanReport:
         graphs = tabulate(self.rows(), headers="keys", tablefmt="simple")
         if not self.steps:
             return graphs + "\n(no step has ended yet: the step is planned as one after the first)"
-        return graphs + "\n\n" + tabulate(self.step_rows(), headers="keys", tablefmt="simple")
+        steps = tabulate(self.step_rows(), headers="keys", tablefmt="simple")
+        why = "\n" + textwrap.fill(ROWS_DIFFER, 100) if self._rows_differ() else ""
+        return graphs + "\n\n" + steps + why
+
+    def _rows_differ(self) -> bool:
+        """Whether a step row's budget or store-all peak is not its graph row's."""
+        by_name = {g.name: g for g in self.graphs}
+        for s in self.steps:
+            graph = by_name.get(s.graphs[0])
+            if len(s.graphs) > 1 or graph is None:
+                return True
+            if (s.limit, s.store_all_peak) != (graph.limit, graph.store_all.peak):
+                return True
+        return False
+
+
+# Said under the tables where a step row's budget or store-all peak is not its graph row's.
+ROWS_DIFFER = (
+    "Graph rows: each graph's plan for the first step, made as it compiled, before the rest "
+    "of the step was known: its budget is its share (less what earlier graphs of the step "
+    "hold and room for the code after it), its store-all peak its own. Step rows: the "
+    "step's graphs planned together with the code run between them, which every later "
+    "step runs: their budget and store-all peak are the whole step's."
+)
 
 
 def solver_label(plan: Plan) -> str:

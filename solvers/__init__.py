@@ -12,8 +12,8 @@ from .problem import Node, Problem
 from .proof import prove
 from .schedule import InvalidPlan, Schedule, schedule
 from .simulate import Timeline, simulate
-from .solve import SOLVERS, min_peak_plan, solve, solver_for
-from .units import format_bytes
+from .solve import SOLVERS, lowest_budget, min_peak_plan, solve, solver_for
+from .units import format_apart, format_bytes
 
 __all__ = [
     "SOLVERS",
@@ -28,9 +28,11 @@ __all__ = [
     "Schedule",
     "Timeline",
     "evaluate",
+    "format_apart",
     "format_bytes",
     "greedy",
     "held_bytes",
+    "lowest_budget",
     "min_peak_plan",
     "prove",
     "recompute_all",

@@ -80,10 +80,11 @@ EXACT_WEIGHT = 8.0
 # Below this many deterministic seconds the exact model finds nothing, yet its presolve
 # costs seconds: not run (see docs/solver-notes.md, "Adopted": no exact model below 0.1).
 MIN_EXACT = 0.1
-# Solves spent, when a budget is refused, bisecting toward the lowest budget that fits
-# (what the refusal names); each starts from no plan, the slow case, so one
-# (see docs/solver-notes.md, "Adopted": one bisection probe).
-PROBES = 1
+# Solves spent, when a budget is refused, on the lowest budget that fits (what the refusal
+# names, whatever the budget asked): one just below the greedy's minimum, one at the peak
+# of the plan found there (a retry fits a budget only where a solve under it did); each
+# starts from no plan, the slow case (docs/solver-notes.md, "Adopted": two probes down).
+PROBES = 2
 
 
 # The default limit: DEFAULT_LIMIT deterministic seconds, or one per NODES_PER_LIMIT_SECOND
@@ -240,25 +241,59 @@ def _refusal(
     probes: int,
     start: float,
 ) -> InfeasibleBudget:
-    """The error for a ``limit`` no plan was found under: its minimum the lowest budget
-    ``retry(budget)`` fits in ``probes`` bisection steps toward the greedy's minimum.
+    """The error for a ``limit`` no plan was found under, naming the lowest budget found
+    to fit whatever ``limit`` was: the greedy's minimum, pushed down by ``probes`` solves
+    below it (``_lowest_below``; none where ``limit`` is just below it: that solve ran).
     The probes take as long as the solve did, or longer: the log says so first."""
+    fitting = greedy_refusal.minimum
+    if limit == fitting - 1:  # the probe's question, answered by this solve
+        return _infeasible(problem, greedy_refusal, fitting, proven)
     if probes:
         logger.info(
-            "remat %s: no plan fits %s (%s CP-SAT in %.1fs); %d more solve%s toward the "
-            "greedy's lowest peak %s, to name the lowest budget that fits",
+            "remat %s: no plan fits %s (%s CP-SAT in %.1fs); up to %d more solve%s below "
+            "the greedy's lowest peak %s, to name the lowest budget that fits",
             problem.name or "graph",
             format_bytes(limit),
             "proven by" if proven else "none found by",
             time.perf_counter() - start,
             probes,
             "s" if probes > 1 else "",
-            format_bytes(greedy_refusal.minimum),
+            format_bytes(fitting),
         )
-    minimum = _lowest_fitting(limit, greedy_refusal.minimum, retry, probes)
+    minimum, lowest_proven = _lowest_below(fitting, retry, probes)
+    return _infeasible(problem, greedy_refusal, minimum, proven, lowest_proven)
+
+
+def _infeasible(
+    problem: Problem,
+    greedy_refusal: InfeasibleBudget,
+    minimum: int,
+    proven: bool,
+    lowest_proven: bool = False,
+) -> InfeasibleBudget:
+    g = greedy_refusal
+    proven_at_minimum = lowest_proven or (proven and g.limit == minimum - 1)
     return InfeasibleBudget(
-        greedy_refusal.limit, minimum, greedy_refusal.store_all, problem.name, proven
+        g.limit, minimum, g.store_all, problem.name, proven, lowest_proven=proven_at_minimum
     )
+
+
+def _lowest_below(fitting: int, solve, probes: int) -> tuple[int, bool]:
+    """The lowest budget ``solve(budget)`` fits in ``probes`` calls, going down from
+    ``fitting`` (one it fits): each call just below the last budget that fit, or at the
+    peak of the plan found there where that is lower. And whether it is proven the lowest:
+    the solve one byte below it proved that nothing fits there."""
+    target = fitting - 1
+    for _ in range(probes):
+        if target < 1:
+            break
+        try:
+            found = solve(target)
+        except InfeasibleBudget as refusal:
+            return fitting, refusal.proven and target == fitting - 1
+        fitting = target
+        target = found.peak if found.peak < target else target - 1
+    return fitting, False
 
 
 class _Search:
@@ -405,22 +440,6 @@ def _nothing_to_point_at(status, answer: Plan | None, limit: int) -> bool:
     if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
         return False
     return answer is None or answer.peak <= limit
-
-
-def _lowest_fitting(refused: int, fitting: int, solve, probes: int) -> int:
-    """Bisect between a refused budget and one a plan fits (the greedy's minimum, which
-    CP-SAT may undercut) with ``probes`` calls of ``solve(budget)``: the lowest budget
-    found to fit."""
-    for _ in range(probes):
-        middle = (refused + fitting) // 2
-        if middle <= refused:
-            break
-        try:
-            solve(middle)
-            fitting = middle
-        except InfeasibleBudget:
-            refused = middle
-    return fitting
 
 
 def _tighten(relax: Relaxation, plan: Plan) -> None:

@@ -8,7 +8,7 @@ expect (``ValueError`` for a bad value), so ``except ValueError`` keeps working.
 
 from __future__ import annotations
 
-from .units import format_bytes
+from .units import format_apart, format_bytes
 
 
 class RematError(Exception):
@@ -21,11 +21,16 @@ class InvalidOption(RematError, ValueError):
 
 
 class InfeasibleBudget(RematError, ValueError):
-    """The budget is below the smallest peak remat can reach; ``minimum`` names it.
+    """The budget is below the lowest peak remat can reach; ``minimum`` names it.
 
-    ``proven``: a solver proved that no plan at all fits the budget (not only that it
-    found none). ``graph``: what was planned (a graph's name, or ``step (...)`` for the
-    graphs of a step planned together). ``note``: said last.
+    ``minimum`` depends on what was planned, never on the budget asked: the lowest peak
+    remat's search found (``solvers.lowest_peak``), a budget a retry meets.
+    ``lowest_proven``: CP-SAT proved no plan that recomputes each value at most once peaks
+    below it. ``proven``: CP-SAT proved no such plan fits this budget (not only that none
+    was found). ``graph``: what was planned (a graph's name, or ``step (...)`` for the
+    graphs of a step planned together). ``reference``: what a fraction budget is of, where
+    not ``store_all`` (the user's own checkpointed program, where it peaks lower).
+    ``note``: said last.
     """
 
     def __init__(
@@ -36,20 +41,43 @@ class InfeasibleBudget(RematError, ValueError):
         graph: str = "",
         proven: bool = False,
         note: str = "",
+        *,
+        lowest_proven: bool = False,
+        reference: int | None = None,
     ) -> None:
         self.limit, self.minimum, self.store_all = limit, minimum, store_all
-        self.graph, self.proven = graph, proven
+        self.graph, self.proven, self.lowest_proven = graph, proven, lowest_proven
+        self.reference = store_all if reference is None else reference
+        self.note = note
         where = f" for {graph}" if graph.startswith("step") else f" for graph {graph}"
-        proof = (
-            " No plan that recomputes each value at most once fits this budget (proven by "
-            "CP-SAT)." if proven else ""
-        )
+        asked, lowest = format_apart(limit, minimum)
+        if lowest_proven:
+            what = "the proven lowest peak"
+            proof = " CP-SAT proved that no plan recomputing each value at most once peaks lower."
+        else:
+            what = "the lowest peak remat found"
+            proof = (
+                " No plan that recomputes each value at most once fits this budget (proven "
+                "by CP-SAT)." if proven else ""
+            )  # fmt: skip
+        fraction = needed_fraction(minimum, self.reference)
+        as_fraction = "" if fraction is None else f", or {fraction} as a fraction"
         super().__init__(
-            f"budget {format_bytes(limit)} is below the smallest peak remat can reach"
-            f"{where if graph else ''}: {format_bytes(minimum)} ({minimum} bytes, "
-            f"{minimum / max(store_all, 1):.1%} of the store-all peak {format_bytes(store_all)})."
-            f"{proof} Raise the budget to at least {minimum} bytes." + (f" {note}" if note else "")
+            f"budget {asked} is below {what}{where if graph else ''}: {lowest} ({minimum} "
+            f"bytes, {minimum / max(store_all, 1):.1%} of the store-all peak "
+            f"{format_bytes(store_all)}).{proof} Raise the budget to at least {minimum} "
+            f'bytes (budget="{minimum}B"{as_fraction}), or pass budget="min" for the lowest '
+            "peak." + (f" {note}" if note else "")
         )
+
+
+def needed_fraction(minimum: int, reference: int) -> float | None:
+    """The smallest fraction, in thousandths, whose budget against ``reference`` bytes is at
+    least ``minimum`` (``Budget.resolve`` rounds down); None above 1."""
+    thousandths = -(-minimum * 1000 // max(reference, 1))
+    while int(thousandths / 1000 * reference) < minimum:
+        thousandths += 1
+    return thousandths / 1000 if thousandths <= 1000 else None
 
 
 class SolverOverBudget(RematError, ValueError):

@@ -365,3 +365,14 @@ def min_peak_plan(problem: Problem) -> Plan:
     lowest, or a chain schedule's where the graph is a chain and that is lower."""
     plans = [greedy(problem), lowest_chain_peak(problem)]
     return min((p for p in plans if p is not None), key=lambda p: p.peak)
+
+
+def lowest_budget(problem: Problem, solver: str | Solver = "auto") -> int:
+    """The lowest budget ``solver`` finds a plan of ``problem`` under: what a budget of
+    ``"min"`` plans at, and what every refusal names (a refusal's minimum does not depend
+    on the budget asked, so the smallest budget's refusal names it)."""
+    try:
+        plan = solve(problem, 1, solver)
+    except InfeasibleBudget as refusal:
+        return refusal.minimum
+    return plan.peak  # a problem that allocates nothing

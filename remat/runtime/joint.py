@@ -13,7 +13,7 @@ from remat.passes._torch_compat import backward_holds_tangents
 from remat.passes.sizes import Binding
 from remat.runtime.handed import keeping, own_order
 from remat.runtime.recording import Recording, Run
-from remat.solvers import InfeasibleBudget, Plan, evaluate, solve, store_all
+from remat.solvers import InfeasibleBudget, Plan, evaluate, lowest_budget, solve, store_all
 from remat.solvers.budget import Budget
 from remat.solvers.heuristics import repaired
 from remat.solvers.solve import Solver
@@ -75,7 +75,12 @@ def plan_step(
     first = _as_run(composed, used, "compile-time")
     log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
     store_all_peak = store_all(composed.problem).peak
-    limit = budget.resolve(_reference(composed, runs, store_all_peak))
+    reference = _reference(composed, runs, store_all_peak)
+    agree = not any(r.graph.sizes for r in runs)  # (``agree.planning_solver``)
+    if budget.lowest:
+        limit = lowest_budget(composed.problem, planning_solver(solver, cache, agree))
+    else:
+        limit = budget.resolve(reference)
     kept = _kept_after_growth(composed, runs, grown, first, limit) if grown else None
     if kept is not None:
         plan, programs = kept
@@ -86,10 +91,9 @@ def plan_step(
         programs = (runs[0].program,)
     else:
         try:
-            agree = not any(r.graph.sizes for r in runs)  # (``agree.planning_solver``)
             plan = solve(composed.problem, limit, planning_solver(solver, cache, agree))
         except InfeasibleBudget as refusal:
-            raise _in_step_terms(refusal, runs) from None
+            raise _in_step_terms(refusal, runs, reference) from None
         programs = _programs(composed, plan, runs)
         if released:
             # a run's program still hands a held output its backward reads over to
@@ -216,7 +220,7 @@ def _accumulate(runs: list[Run], order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _in_step_terms(refusal: InfeasibleBudget, runs: list[Run]) -> InfeasibleBudget:
+def _in_step_terms(refusal: InfeasibleBudget, runs: list[Run], reference: int) -> InfeasibleBudget:
     names = ", ".join(r.graph.name for r in runs)
     note = (
         ""
@@ -226,4 +230,7 @@ def _in_step_terms(refusal: InfeasibleBudget, runs: list[Run]) -> InfeasibleBudg
     )
     r = refusal
     where = f"step ({names})"
-    return InfeasibleBudget(r.limit, r.minimum, r.store_all, where, r.proven, note=note)
+    return InfeasibleBudget(
+        r.limit, r.minimum, r.store_all, where, r.proven, note=note,
+        lowest_proven=r.lowest_proven, reference=reference,
+    )  # fmt: skip

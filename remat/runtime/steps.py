@@ -57,7 +57,7 @@ from remat.solvers.solve import Solver
 
 log = logging.getLogger("remat")
 
-Replan = Callable[[CompiledGraph, Binding, int], GraphPlan]  # ``Planner.replan``
+Replan = Callable[[CompiledGraph, Binding, int, int, int], GraphPlan]  # ``Planner.replan``
 
 
 class StepRunner:
@@ -110,15 +110,34 @@ class StepRunner:
         self.graphs[graph.name] = graph
         return graph
 
-    def held_now(self) -> int:
-        """What the runs of the step in progress hold while a newly compiled graph runs."""
+    def held_now(self, stored: bool = False) -> int:
+        """What the runs of the step in progress hold while a newly compiled graph runs;
+        with ``stored``, what they would hold had each stored everything."""
         if self.step is None:
             return 0
         return sum(
-            held_bytes(r.graph.problem, r.graph.programs[r.program].plan)
+            held_bytes(
+                r.graph.problem,
+                r.graph.record.store_all if stored else r.graph.programs[r.program].plan,
+            )
             for r in self.step.runs
             if not r.done
         )
+
+    def stored_peak(self) -> int:
+        """The highest store-all peak (with its room for the code after it) among the
+        graphs the step in progress ran so far: its store-all peak is at least that."""
+        if self.step is None:
+            return 0
+        return max(
+            (r.graph.record.store_all.peak + r.graph.record.reserve for r in self.step.runs),
+            default=0,
+        )
+
+    def starting(self) -> bool:
+        """Whether no graph of the step in progress has run yet (a graph compiled now is
+        its first)."""
+        return self.step is None or not self.step.runs
 
     def forward(self, graph: Graph) -> Callable:
         """The boxed forward AOTAutograd calls for ``graph``."""
@@ -200,7 +219,9 @@ class StepRunner:
         grown = larger(graph.binding, binding)
         log.info("remat %s: sizes grew to %s: planning again", graph.name, describe(grown))
         with self.paused():
-            graph.grow(self.replan(graph.compiled, grown, self.held_now()), grown)
+            held, stored = self.held_now(), self.held_now(stored=True)
+            record = self.replan(graph.compiled, grown, held, stored, self.stored_peak())
+            graph.grow(record, grown)
 
     def _step(self, first: Graph, binding: Binding) -> Recording:
         """The step in progress, or a new one starting with ``first``: recorded when no

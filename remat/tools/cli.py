@@ -419,6 +419,11 @@ def _budget_list(text: str) -> list[float | int]:
             budget = Budget.parse(token)
         except RematError as e:
             raise argparse.ArgumentTypeError(f"budget {token!r}: {e}") from None
+        if budget.lowest or budget.device:
+            raise argparse.ArgumentTypeError(
+                f"budget {token!r}: --budgets compares torch and remat at budgets both "
+                "read, fractions or bytes; 'remat pareto' sweeps down to remat's lowest peak"
+            )
         values.append(budget.fraction if budget.fraction is not None else budget.nbytes)
     return values
 

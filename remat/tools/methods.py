@@ -89,7 +89,9 @@ def _remat_optimized(model: nn.Module, row: Row, solver) -> nn.Module:
 
     if row.budget == 0:
         raise Skip("remat budgets are fractions in (0, 1] or bytes, not 0")
-    budget = float(row.budget) if 0 < row.budget <= 1 else int(row.budget)
+    # bytes were read already (--budgets) or are pareto's own: a Budget, so a small number
+    # of them is not refused as ambiguous
+    budget = float(row.budget) if 0 < row.budget <= 1 else remat.Budget(nbytes=int(row.budget))
     return remat.optimize(
         model, budget=budget, solver=solver, compiler=row.compiler, cost_model=row.cost_model
     )

@@ -278,13 +278,24 @@ def test_a_forward_dynamo_skips_is_an_error_not_an_eager_step():
     torch._dynamo.reset()
 
 
-def test_budget_below_minimum_names_it():
+@pytest.mark.parametrize("budget", ["4KiB", 0.05])
+def test_a_whole_step_below_its_minimum_is_refused_before_anything_runs(budget):
+    """A module whose one graph returns only its loss is the whole step: a budget below its
+    minimum is refused at the first call, before any of remat's programs ran, naming the
+    step's minimum (what "min" plans at), whatever the budget asked."""
     model, inputs = build("mlp")
-    optimized = remat.optimize(model, budget=1024)
+    optimized = remat.optimize(model, budget=budget)
     with pytest.raises(remat.InfeasibleBudget) as info:
-        optimized(*inputs).backward()  # the step is planned as one when it ends
-    assert info.value.minimum > 1024
+        optimized(*inputs)  # the forward, before anything of the step ran
+    assert optimized.remat.steps.forwards_run == 0
     assert str(info.value.minimum) in str(info.value)
+    torch._dynamo.reset()
+    lowest = remat.optimize(model, budget="min")
+    lowest(*inputs).backward()
+    lowest(*inputs).backward()
+    report = lowest.remat.report()
+    assert report.steps[0].limit == info.value.minimum >= report.predicted_peak
+    torch._dynamo.reset()
 
 
 def test_optimized_module_shares_parameters_and_keys():

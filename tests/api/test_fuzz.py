@@ -164,7 +164,7 @@ def check_model(spec: fuzz.ModelSpec, fraction: float) -> None:
         _check(spec, fraction)
     except remat.InfeasibleBudget as refused:
         assert refused.minimum > refused.limit, (refused.minimum, refused.limit)
-        _check(spec, refused.minimum)
+        _check(spec, f"{refused.minimum}B")  # as the refusal says to write it
     finally:
         log.setLevel(level)
 

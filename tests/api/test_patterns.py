@@ -35,7 +35,7 @@ def trains_as_eager(model: nn.Module, inputs: tuple, budget=0.5, steps: int = 2,
     except remat.InfeasibleBudget as refusal:
         torch.compiler.reset()
         model.load_state_dict(original.state_dict())
-        return _trains_as_eager(model, inputs, refusal.minimum, steps, grad)
+        return _trains_as_eager(model, inputs, f"{refusal.minimum}B", steps, grad)
 
 
 def _trains_as_eager(model: nn.Module, inputs: tuple, budget, steps: int, grad):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import re
 import signal
@@ -65,9 +66,11 @@ def test_mixed_precision_with_accumulation_keeps_budget_and_eagers_gradients(pre
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
-def _run(*command: str, timeout: int = 300) -> str:
+def _run(*command: str, timeout: int = 300, quiet: bool = False) -> str:
     """The command's stdout. Past ``timeout`` every process it started dumps its Python
-    stacks (faulthandler on SIGABRT) and the test fails with them: a hung rank says where."""
+    stacks (faulthandler on SIGABRT) and the test fails with them: a hung rank says where.
+    With ``quiet``, its stderr must hold nothing that reads like a failure
+    (``reads_like_a_failure``)."""
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with subprocess.Popen(
         [sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -80,7 +83,19 @@ def _run(*command: str, timeout: int = 300) -> str:
             stdout, stderr = process.communicate()
             pytest.fail(f"timed out after {timeout}s; stacks:\n{stderr[-20000:]}\n{stdout[-2000:]}")
     assert process.returncode == 0, stderr[-3000:]
+    if quiet:
+        assert not reads_like_a_failure(stderr), stderr[-3000:]
     return stdout
+
+
+# What a normal run must not print: remat's own messages (each starts "remat "), warnings
+# (Python's, and torch's logs at W), "error", "exceed", "fail".
+_ALARMING = re.compile(r"^remat |Warning|^\S*W\d{4} |error|exceed|fail", re.I | re.M)
+
+
+def reads_like_a_failure(text: str) -> list[str]:
+    """The lines of ``text`` a user would read as something gone wrong."""
+    return [line for line in text.splitlines() if _ALARMING.search(line)]
 
 
 @pytest.mark.slow
@@ -152,23 +167,55 @@ def test_hf_trainer_trains_on_lengths_that_vary_within_the_budget(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_hf_trainer_example_trains(capsys):
+def test_the_hf_trainer_example_trains(capsys, caplog):
+    """It trains and prints its plan, and nothing that reads like a failure (it printed
+    "no plan fits what is left of the budget" for the loss graph before)."""
     sys.path.insert(0, str(ROOT / "examples"))
     import hf_trainer
 
-    hf_trainer.main(["--steps", "2"])
-    out = capsys.readouterr().out
-    assert "predicted peak" in out and re.search(r"2 steps: \d+ traces, \d+ graph plans", out)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        hf_trainer.main(["--steps", "4"])
+    out, err = capsys.readouterr()
+    assert "predicted peak" in out and re.search(r"4 steps: \d+ traces, \d+ graph plans", out)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not reads_like_a_failure(err)
 
 
 @pytest.mark.slow
 def test_the_torchrun_ddp_example_trains():
     """Two ranks under torchrun; rank 0 prints its losses and the step's plan."""
     out = _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "examples/ddp_torchrun.py")  # fmt: skip
+               "examples/ddp_torchrun.py", quiet=True)  # fmt: skip
     losses = [float(m) for m in re.findall(r"^step \d+: loss (\S+)$", out, re.M)]
     assert len(losses) == 3 and all(0 < x < 20 for x in losses)
     assert "graph0, graph1" in out  # the bucket graphs, one step
+
+
+@pytest.mark.slow
+def test_the_readmes_quick_start_prints_nothing_that_reads_like_a_failure(tmp_path):
+    """The README's first example, run verbatim: it prints the report, and no warning."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "quick_start.py"
+    script.write_text(code)
+    out = _run(str(script), quiet=True)
+    assert "predicted peak" in out
+
+
+def test_reads_like_a_failure_sees_remats_and_torchs_warnings():
+    assert reads_like_a_failure("remat graph0: its first step runs at its lowest peak")
+    assert reads_like_a_failure("[rank0]:W1205 01:38:19.330000 1633 torch/_logging ...")
+    assert reads_like_a_failure("x.py:3: FutureWarning: isinstance(treespec, LeafSpec)")
+    assert not reads_like_a_failure("step 1: loss 6.2580\nOMP_NUM_THREADS set to 1")
+
+
+def test_a_bad_budget_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("REMAT_BUDGET", "abc")
+    with pytest.raises(remat.InvalidOption, match=r"^REMAT_BUDGET=abc: cannot read budget 'abc'"):
+        remat.backend()
+    with pytest.raises(remat.InvalidOption, match=r"^cannot read budget 'xyz'"):
+        remat.backend(budget="xyz")  # given in the call: no variable to name
 
 
 def test_options_come_from_the_call_configure_or_the_environment(monkeypatch):

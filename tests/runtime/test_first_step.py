@@ -61,3 +61,59 @@ def test_the_first_step_with_the_loss_outside_keeps_the_budget(tmp_path):
     assert second <= budget
     assert report.graphs[0].reserve > 0  # room was left for the loss outside
     assert first <= report.first_step_peak  # what the recorded first step predicts
+
+
+def test_with_the_loss_outside_a_low_budget_is_refused_when_the_step_ends(caplog):
+    """Logits returned, the loss outside: the graph's minimum is not the step's (its problem
+    holds the logits to the step's end), so nothing is refused at compile time. The first
+    step runs the lowest-peak plan with a warning that does not read like a failure, and
+    the refusal at its end names the step's minimum: a retry there fits, and "min" plans
+    no higher (its first step ran other programs, which its recorded step may reflect)."""
+    torch.manual_seed(0)
+    model, (x, y) = _Logits(), _batch()
+    optimized = remat.optimize(model, budget="8KiB")
+    with (
+        caplog.at_level("WARNING", logger="remat"),
+        pytest.raises(remat.InfeasibleBudget, match=r"step \(graph0\)") as refusal,
+    ):
+        _step(optimized, model, x, y)
+    assert optimized.remat.steps.forwards_run == 1  # refused after the step, not before
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "its first step runs at its lowest peak" in warning and "Nothing is wrong" in warning
+    assert not any(word in warning for word in ("fail", "no plan fits", "may exceed"))
+    torch._dynamo.reset()
+    lowest = remat.optimize(model, budget="min")
+    for _ in range(2):
+        _step(lowest, model, x, y)
+    report = lowest.remat.report()
+    assert report.predicted_peak <= report.steps[0].limit <= refusal.value.minimum
+    torch._dynamo.reset()
+    retry = remat.optimize(model, budget=refusal.value.minimum)
+    for _ in range(2):
+        _step(retry, model, x, y)
+    report = retry.remat.report()
+    assert report.predicted_peak <= refusal.value.minimum
+    # the graph's first-step share left room for the loss outside; the step's budget is
+    # the whole step's: the printed report says why the two rows differ
+    assert report.graphs[0].limit != report.steps[0].limit
+    assert "Graph rows: each graph's plan for the first step" in str(report)
+
+
+def test_a_device_budget_is_refused_where_there_is_no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(remat.InvalidOption, match='"device".*no CUDA device.*"min"'):
+        remat.optimize(_Logits(), budget="device")
+
+
+def test_a_device_budget_is_what_the_device_has_free_less_the_margin(monkeypatch):
+    from remat.device_budget import DEVICE_MARGIN, on_device
+
+    free = 10 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80 * 2**30))
+    budget = on_device(remat.Budget.parse("device"), torch.device("cuda", 0))
+    assert budget.nbytes == int(free * (1 - DEVICE_MARGIN)) and not budget.device
+    assert str(budget).startswith("device (")
+    other = remat.Budget.parse(0.5)
+    assert on_device(other, torch.device("cuda", 0)) is other
+    with pytest.raises(remat.InvalidOption, match="runs on cpu"):
+        on_device(remat.Budget.parse("device"), torch.device("cpu"))

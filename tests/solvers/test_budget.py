@@ -6,7 +6,7 @@ import functools
 import gc
 
 import pytest
-from synthetic import chain
+from synthetic import chain, random_joint
 
 from remat.solvers import (
     SOLVERS,
@@ -20,6 +20,8 @@ from remat.solvers import (
     solve,
     store_all,
 )
+from remat.solvers.budget import AMBIGUOUS_BELOW
+from remat.solvers.solve import lowest_budget
 
 # ----------------------------------------------------------------------------- Budget.parse
 
@@ -27,8 +29,9 @@ from remat.solvers import (
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (1, 1),
-        (1024, 1024),
+        (4096, 4096),
+        ("1B", 1),
+        ("1KiB", 1024),
         (10**12, 10**12),
         ("1073741824", 1073741824),
         ("512MiB", 512 * 2**20),
@@ -80,6 +83,38 @@ def test_a_budget_is_parsed_once_and_keeps_how_it_was_written():
     assert str(Budget.parse(2**20)) == "1.0 MiB"
 
 
+@pytest.mark.parametrize("ambiguous", [1, 100, AMBIGUOUS_BELOW - 1, "1", " 64 "])
+def test_a_small_int_without_a_unit_is_refused_with_the_fixes_in_the_message(ambiguous):
+    """``budget=1`` is what torch's ``activation_memory_budget=1`` users type: refused,
+    saying what 1.0, a unit and "min" would mean, never planned as 1 byte."""
+    with pytest.raises(InvalidOption) as refused:
+        Budget.parse(ambiguous)
+    text = str(refused.value)
+    number = str(ambiguous).strip()
+    assert "ambiguous" in text and "1.0" in text and '"min"' in text
+    assert f'"{number}B"' in text and f'"{number}KiB"' in text
+    assert Budget.parse(f"{number}B").nbytes == int(number)  # the fix it names works
+
+
+@pytest.mark.parametrize(("written", "lowest", "device"), [("min", True, False),
+                                                           (" MIN ", True, False),
+                                                           ("device", False, True)])  # fmt: skip
+def test_min_and_device_are_budgets_of_their_own(written, lowest, device):
+    budget = Budget.parse(written)
+    assert (budget.lowest, budget.device, budget.nbytes, budget.fraction) == (
+        lowest, device, None, None
+    )  # fmt: skip
+    assert str(budget) == written.strip().lower()
+
+
+def test_min_resolves_to_the_lowest_peak_and_device_only_once_on_the_device():
+    assert Budget.parse("min").resolve(10_000, lowest_peak=6_000) == 6_000
+    with pytest.raises(ValueError, match="lowest peak"):
+        Budget.parse("min").resolve(10_000)
+    with pytest.raises(ValueError, match="device"):
+        Budget.parse("device").resolve(10_000)
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "message"),
     [
@@ -96,7 +131,7 @@ def test_a_budget_is_parsed_once_and_keeps_how_it_was_written():
         ("1.5", ValueError, "fraction"),
         ("150%", ValueError, "fraction"),
         ("0%", ValueError, "fraction"),
-        ("abc", ValueError, "cannot read budget 'abc'"),
+        ("abc", ValueError, "cannot read budget 'abc'.*'min'"),
         ("", ValueError, "cannot read budget"),
         ("-5MiB", ValueError, "cannot read budget"),
         ("1e9", ValueError, "cannot read budget"),
@@ -141,7 +176,7 @@ def test_float_budget_error_points_at_bytes():
         ("0.4", 1000, 400),
         (1.0, 999, 999),
         (0.333, 1000, 333),  # rounds down: never promises more than the fraction
-        (123, 1000, 123),  # absolute stays absolute, below the peak...
+        (4096, 10**6, 4096),  # absolute stays absolute, below the peak...
         (5000, 1000, 5000),  # ...or above it
         ("1KiB", 10, 1024),
         ("2GB", 1, 2 * 10**9),
@@ -164,7 +199,7 @@ def test_solve_takes_a_limit_in_bytes_only(limit):
 # ----------------------------------------------------------------------------- errors
 
 
-def test_infeasible_budget_names_the_minimum_in_bytes():
+def test_infeasible_budget_names_the_minimum_in_bytes_and_as_a_fraction():
     e = InfeasibleBudget(1000, 123456, 987654, "mlp")
     assert isinstance(e, ValueError)
     assert (e.limit, e.minimum, e.store_all) == (1000, 123456, 987654)
@@ -175,6 +210,28 @@ def test_infeasible_budget_names_the_minimum_in_bytes():
     assert format_bytes(1000) in text
     assert "mlp" in text
     assert "12.5%" in text  # 123456 / 987654 of the store-all peak
+    assert "0.125 as a fraction" in text and Budget.parse(0.125).resolve(987654) >= 123456
+    assert 'budget="123456B"' in text and Budget.parse("123456B").nbytes == 123456
+    assert "lowest peak remat found" in text and "proven" not in text
+    assert '"min"' in text
+
+
+def test_a_refusal_says_proven_lowest_only_where_cpsat_proved_it():
+    proven = str(InfeasibleBudget(1000, 123456, 987654, "mlp", lowest_proven=True))
+    assert "proven lowest peak" in proven and "peaks lower" in proven
+    assert "lowest peak remat found" not in proven
+
+
+def test_a_refusal_prints_bytes_where_rounding_hides_the_difference():
+    text = str(InfeasibleBudget(2_621_440, 2_621_500, 4 * 2**20, "step (graph0)"))
+    assert text.startswith("budget 2,621,440 B is below") and "2,621,500 B" in text
+    assert format_bytes(2_621_440) == format_bytes(2_621_500)  # what rounding would hide
+
+
+def test_the_fraction_a_refusal_names_is_measured_against_the_users_program():
+    """Where the user's own checkpointing peaks below store-all, a fraction is of that."""
+    text = str(InfeasibleBudget(1000, 5000, 20_000, "g", reference=10_000))
+    assert "0.5 as a fraction)" in text
 
 
 def test_infeasible_budget_from_solve_names_the_real_minimum():
@@ -357,3 +414,21 @@ def test_cpsat_out_of_time_before_any_solution_returns_the_greedys_plan():
     plan = solve(p, budget, functools.partial(cpsat, time_limit=1e-9))
     assert plan.peak <= budget
     assert plan.recompute_cost <= greedy(p, budget).recompute_cost
+
+
+@pytest.mark.parametrize("solver", ["greedy", "cpsat", "auto"])
+def test_a_refusal_names_the_same_minimum_whatever_budget_was_asked(solver):
+    """The minimum is the lowest budget found to fit the problem, not a search from the
+    budget asked (on transformers' Mamba a bisection from it named 38.2 MiB at 0.7 of eager
+    and 42.4 MiB at 0.5); ``lowest_budget`` ("min") plans at it, and a retry there fits."""
+    problem = random_joint(30, 16)
+    floor = greedy(problem).peak
+    named = set()
+    for budget in (1, floor // 2, floor * 3 // 4):
+        with pytest.raises(InfeasibleBudget) as refused:
+            solve(problem, budget, solver)
+        named.add(refused.value.minimum)
+    assert len(named) == 1
+    (minimum,) = named
+    assert lowest_budget(problem, solver) == minimum
+    assert solve(problem, minimum, solver).peak <= minimum

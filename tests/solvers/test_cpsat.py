@@ -609,32 +609,47 @@ def test_cpsat_plan_is_the_same_in_fresh_processes():
 
 
 def test_refusal_says_when_it_is_proven():
-    """Below what the backward alone holds, the relaxation is infeasible: a proof."""
+    """Below what the backward alone holds, the relaxation is infeasible: a proof; and one
+    byte below the greedy's minimum too, so the minimum it names is the proven lowest."""
     problem = chain(6)
     with pytest.raises(InfeasibleBudget) as refusal:
         cpsat(problem, 1024)
-    assert refusal.value.proven and "proven by CP-SAT" in str(refusal.value)
+    assert refusal.value.proven and refusal.value.lowest_proven
+    assert "proven lowest peak" in str(refusal.value)
     assert refusal.value.minimum == greedy(problem).peak
 
 
 def test_refusal_names_a_budget_below_the_greedys_minimum(caplog):
-    """The greedy's minimum only bounds the true one from above: a refusal spends one
-    solve halfway down from it (saying so first: it takes as long as the first solve)
-    and names the lowest budget a plan was found under."""
+    """The greedy's minimum only bounds the true one from above: a refusal spends up to
+    ``PROBES`` solves below it (saying so first: each takes as long as the first solve),
+    one just below it and one at the peak of the plan found there, and names the lowest
+    budget a plan was found under, whatever budget was refused."""
     problem = random_joint(30, 16)
     greedy_minimum = greedy(problem).peak
-    lowest = cpsat(problem, greedy_minimum - 1).peak  # CP-SAT undercuts the greedy here
-    budget = 2 * lowest - greedy_minimum  # so that the bisection's middle is ``lowest``
-    with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(InfeasibleBudget) as refusal:
-        cpsat(problem, budget)
-    assert refusal.value.minimum == lowest < greedy_minimum
-    assert str(lowest) in str(refusal.value)
-    assert [r.getMessage() for r in caplog.records if "1 more solve toward" in r.getMessage()]
+    found = cpsat(problem, greedy_minimum - 1).peak  # CP-SAT undercuts the greedy here
+    lowest = found if _fits(problem, found) else greedy_minimum - 1
+    named = set()
+    for budget in (1, lowest // 2, lowest - 1):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(InfeasibleBudget) as r:
+            cpsat(problem, budget)
+        named.add(r.value.minimum)
+        assert str(r.value.minimum) in str(r.value)
+        assert [m.getMessage() for m in caplog.records if "2 more solves below" in m.getMessage()]
+    assert named == {lowest} and lowest < greedy_minimum
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(InfeasibleBudget) as refusal:
-        cpsat(problem, budget, probes=0)
-    assert refusal.value.minimum == greedy_minimum
+    with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(InfeasibleBudget) as r:
+        cpsat(problem, 1, probes=0)
+    assert r.value.minimum == greedy_minimum
     assert not caplog.records
+
+
+def _fits(problem, budget: int) -> bool:
+    try:
+        cpsat(problem, budget)
+    except InfeasibleBudget:
+        return False
+    return True
 
 
 def test_the_default_time_limit_grows_with_the_graph_beyond_4000_nodes():

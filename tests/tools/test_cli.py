@@ -10,7 +10,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+import remat
 from remat.costs import COMPILERS, COST_MODELS
 from remat.solvers import SOLVERS, format_bytes
 from remat.tools.cli import main
@@ -226,8 +228,16 @@ def test_plan_absolute_budget_and_store_all(capsys):
 
 def test_plan_infeasible_budget_names_the_minimum(capsys):
     code, out, err = run(capsys, "plan", *MLP, "--budget", "10%")
-    assert_usage_error(code, err.strip().splitlines()[-1], "smallest peak", "at least")
+    assert_usage_error(code, err.strip().splitlines()[-1], "lowest peak", "at least")
     assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("budget", ["1", "abc", "150%"])
+def test_a_bad_budget_reads_the_same_on_the_command_line_and_in_python(capsys, budget):
+    code, _, err = run(capsys, "plan", *MLP, "--budget", budget)
+    with pytest.raises(remat.InvalidOption) as python:
+        remat.optimize(torch.nn.Linear(2, 2), budget=budget)
+    assert_usage_error(code, err, str(python.value))
 
 
 def test_plan_fixed_solver_over_budget(capsys):
@@ -241,6 +251,8 @@ def test_plan_fixed_solver_over_budget(capsys):
         (["plan", *MLP, "--budget", "lots"], ["--budget", "cannot read budget"]),
         (["plan", *MLP, "--budget", "150%"], ["--budget", "fraction"]),
         (["plan", *MLP, "--budget", "12 parsecs"], ["unknown unit"]),
+        (["plan", *MLP, "--budget", "64"], ["ambiguous", '"64KiB"']),
+        (["bench", *MLP, "--budgets", "0.5,min"], ["--budgets", "remat pareto"]),
         (["plan", *MLP, "--budget", "0.5", "--solver", "magic"], ["invalid choice", "greedy"]),
         (["plan", *MLP], ["--budget"]),
         (["train", *MLP, "--steps", "0"], ["--steps", "positive"]),
@@ -387,7 +399,7 @@ def test_train_timeline_has_the_measured_memory(capsys, tmp_path):
 
 def test_train_infeasible_budget(capsys):
     code, out, err = run(capsys, "train", *MLP, "--budget", "5%", "--steps", "1", "-q")
-    assert_usage_error(code, err, "smallest peak")
+    assert_usage_error(code, err, "lowest peak")
 
 
 @pytest.mark.slow
