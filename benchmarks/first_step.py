@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _output import write_rows
-from tabulate import tabulate
+from _output import chosen, finished, shown
 
 import remat
 from remat import memory
+from remat.tools.grads import grad_error, gradients
 
 TEXT = dict(vocab_size=512, max_position_embeddings=128)
 LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
@@ -120,21 +120,6 @@ def _seconds(fn, rounds: int = 3) -> float:
     return statistics.median(times)
 
 
-def _grad_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    """The largest gradient difference over eager's largest gradient (as ``remat bench``
-    compares them: a gradient that is zero in exact arithmetic, such as attention's key
-    bias, differs by rounding alone, which is large only next to itself)."""
-    pairs = [
-        (p.grad, q.grad)
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
-        if q.grad is not None
-    ]
-    if any(g is None for g, _ in pairs):
-        return float("inf")
-    scale = max(float(r.abs().max()) for _, r in pairs)
-    return max(float((g - r).abs().max()) for g, r in pairs) / (scale + 1e-30)
-
-
 def row(name: str, build, fraction: float, compiler: str) -> dict:
     torch.manual_seed(0)
     model, inputs, targets = build()
@@ -157,7 +142,7 @@ def row(name: str, build, fraction: float, compiler: str) -> dict:
         torch.compiler.reset()
         optimized = remat.optimize(model, budget=budget, cache=cache, compiler=compiler)
         first = memory.peak(lambda: step(optimized, model, inputs, targets)).peak_bytes
-        error = _grad_error(model, reference)
+        error = grad_error(gradients(model), gradients(reference))
         later = max(
             memory.peak(lambda: step(optimized, model, inputs, targets)).peak_bytes
             for _ in range(3)
@@ -190,17 +175,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
-    unknown = set(args.models.split(",")) - set(built)
-    if unknown:
-        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(built)}")
-    rows = []
+    names = chosen(parser, args.models, built)
+    rows: list[dict] = []
     for compiler in args.compilers.split(","):
-        for name in args.models.split(","):
+        for name in names:
             for fraction in (float(x) for x in args.budgets.split(",")):
-                rows.append(row(name, built[name], fraction, compiler))
-                print(tabulate([rows[-1]], headers="keys", floatfmt=".3g"), flush=True)
-    print(tabulate(rows, headers="keys", floatfmt=".3g"))
-    write_rows(rows, args.json, args.csv)
+                shown(rows, row(name, built[name], fraction, compiler))
+    finished(rows, args.json, args.csv)
     return 0
 
 

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from _output import write_rows
-from tabulate import tabulate
+from _output import chosen, finished, shown
 
 import remat
 from remat import memory
@@ -133,16 +132,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
-    unknown = set(args.models.split(",")) - set(models)
-    if unknown:
-        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(models)}")
-    rows = []
-    for name in args.models.split(","):
+    rows: list[dict] = []
+    for name in chosen(parser, args.models, models):
         for budget in (float(x) for x in args.budgets.split(",")):
-            rows.append(row(name, models[name], budget))
-            print(tabulate([rows[-1]], headers="keys", floatfmt=".3g"), flush=True)
-    print(tabulate(rows, headers="keys", floatfmt=".3g"))
-    write_rows(rows, args.json, args.csv)
+            shown(rows, row(name, models[name], budget))
+    finished(rows, args.json, args.csv)
     return 0
 
 
