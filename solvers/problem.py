@@ -248,22 +248,26 @@ def _check_node(nodes: tuple[Node, ...], i: int, node: Node) -> None:
 
 
 def free_views(problem: Problem) -> frozenset[int]:
-    """Views that cost nothing and read only their base (whose storage root is a real
-    value). Saving one is the same plan as saving that root and recomputing the view:
-    the same storage stays live, the view's recompute allocates nothing and costs
-    nothing, and its step cannot be a peak. The model saves roots only (an exact
-    reduction: fewer symmetric choices)."""
+    """Views that cost nothing and read only their base, which is their storage root (a
+    real value) or itself such a view. Saving one is the same plan as saving that root
+    and recomputing the view: the same storage stays live, the views' recomputes
+    allocate nothing and cost nothing, and their steps cannot be a peak. The model saves
+    roots only (an exact reduction: fewer symmetric choices). A view of a view that
+    costs something is not free: recomputing it would run that view again."""
     nodes, storage, parts = problem.nodes, problem.storage, problem.outputs_of
-    return frozenset(
-        i
-        for i, n in enumerate(nodes)
-        if n.phase == "fwd"
-        and n.alias_of is not None
-        and n.cost == 0
-        and n.recomputable
-        and n.inputs == (n.alias_of,)
-        and not parts[storage[i]]
-    )
+    free: set[int] = set()
+    for i, n in enumerate(nodes):  # topological: a base comes before its views
+        if (
+            n.phase == "fwd"
+            and n.alias_of is not None
+            and n.cost == 0
+            and n.recomputable
+            and n.inputs == (n.alias_of,)
+            and not parts[storage[i]]
+            and (n.alias_of == storage[i] or n.alias_of in free)
+        ):
+            free.add(i)
+    return frozenset(free)
 
 
 def without_free_views(problem: Problem, saved) -> frozenset[int]:
