@@ -167,7 +167,7 @@ def bench_table(data: dict) -> str:
     rows = data["rows"]
     eager = _eager_peak(rows)
     headers = ["method", "budget", "solver", "peak", "vs eager", "step", "+-", "overhead"]
-    headers += ["step (est.)", "plan", "predicted", "gap", "grads", "note"]
+    headers += ["step (est.)", "est. err", "plan", "predicted", "gap", "grads", "note"]
     body = []
     for r in rows:
         remat = r["method"] == "remat" and r.get("error") is None
@@ -184,6 +184,7 @@ def bench_table(data: dict) -> str:
                 percent(1)(r.get("spread")),
                 signed_percent(r.get("overhead")),
                 seconds(r.get("predicted_s")),
+                _estimate_error(r),
                 fixed(1)(r.get("plan_s")) + (" s" if r.get("plan_s") is not None else ""),
                 mib(r.get("predicted_peak")),
                 gap,
@@ -192,6 +193,13 @@ def bench_table(data: dict) -> str:
             ]
         )
     return table(headers, body)
+
+
+def _estimate_error(row: dict) -> str:
+    """The estimated step against the measured median, signed (remat/tools/rows.py)."""
+    if row.get("predicted_s") is None or not row.get("step_s"):
+        return ""
+    return f"{row['predicted_s'] / row['step_s'] - 1:+.0%}"
 
 
 def dominance(rows: list[dict]) -> tuple[int, int, list[str]]:

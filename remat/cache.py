@@ -184,6 +184,17 @@ class PlanCache:
         self._write("candidates", key, {"saved": {k: sorted(v) for k, v in found.items()}})
         return found
 
+    def figures(self, key: str, build: Callable[[], dict]) -> dict:
+        """The machine's calibration figures under ``key`` (``costs.calibration``), else
+        ``build()``'s, stored."""
+        entry = self._read("calibration", key)
+        if entry is not None and isinstance(entry.get("figures"), dict):
+            self.counts["calibration hit"] += 1
+            return entry["figures"]
+        found = build()
+        self._write("calibration", key, {"figures": found})
+        return found
+
     # ------------------------------------------------------------------ files
 
     def _path(self, kind: str, key: str) -> Path:

@@ -1,16 +1,52 @@
 """Plans a graph is offered beside the solver's: the one the user's own checkpointing
-makes, and a plan kept from smaller sizes (as it is, or repaired to fit). Each is a
-``Plan`` of the graph's ``Problem``, so the planner weighs them like any other."""
+makes, a plan kept from smaller sizes (as it is, or repaired to fit), and the plans made
+for the same graph under smaller budgets. Each is a ``Plan`` of the graph's ``Problem``
+(or its saved set), so the planner weighs them like any other."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from torch import fx
+
+from remat.cache import PlanCache
 from remat.passes.extract import Extracted, user_recomputes
+from remat.passes.min_cut import torch_saved
 from remat.solvers import InvalidPlan, Plan, Problem, evaluate
 from remat.solvers.heuristics import repaired
+from remat.solvers.solve import REPEATED_MIN_NODES
 
 YOURS = "your checkpointing"  # the name of the plan the user's own checkpointing makes
+TORCH_CANDIDATE = "torch-min-cut"  # the name a plan taken from torch's partition carries
+MADE_KEPT = 8  # plans kept per graph (``made_under``): the budgets a sweep asks, and more
+MADE_GRAPHS = 64  # graphs whose plans are kept, the latest planned
+
+# graph key -> limit -> (solver, saved set) of the plan made under it, in this process
+_made: dict[str, dict[int, tuple[str, frozenset[int]]]] = {}
+
+
+def remember(key: str, limit: int, plan: Plan) -> None:
+    """Keep the saved set a graph was planned with under ``limit``: a candidate for every
+    larger budget (``made_under``)."""
+    made = _made.pop(key, {})
+    _made[key] = made  # the latest planned graph last
+    made[limit] = (plan.solver, plan.saved)
+    while len(made) > MADE_KEPT:
+        del made[min(made)]
+    while len(_made) > MADE_GRAPHS:
+        del _made[next(iter(_made))]
+
+
+def made_under(key: str, limit: int) -> dict[str, frozenset[int]]:
+    """The saved sets planned for the graph under smaller budgets than ``limit``, by name:
+    a plan that fits a smaller budget fits this one, so offering it keeps a larger budget
+    from being planned slower than a smaller one (docs/cost-model.md, "Monotone in the
+    budget")."""
+    return {
+        f"{solver}, as under {smaller} B": saved
+        for smaller, (solver, saved) in _made.get(key, {}).items()
+        if smaller < limit
+    }
 
 
 def user_plan(extracted: Extracted, baseline: Plan) -> Plan | None:
@@ -48,3 +84,36 @@ def still_fitting(problem: Problem, kept: Plan | None, limit: int) -> Plan | Non
         return None
     fixed = repaired(problem, evaluate(problem, kept.saved, solver=f"{name} (repaired)"), limit)
     return dataclasses.replace(fixed, limit=limit) if fixed.peak <= limit else None
+
+
+def offered(
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    extracted: Extracted,
+    yours: Plan | None,
+    made: dict[str, frozenset[int]],
+    cache: PlanCache | None,
+) -> dict[str, frozenset[int]]:
+    """What the ``auto`` solver is offered: the plan of the user's own checkpointing
+    (``yours``), the plans ``made`` for the graph under smaller budgets (``made_under``)
+    and, on graphs below ``REPEATED_MIN_NODES``, torch's own partition, from ``cache``
+    where a process stored it (above, it takes longer than remat's plan:
+    docs/benchmarks.md, "Planning at LLM depth")."""
+    found = dict(made)
+    if yours is not None:
+        found[YOURS] = yours.saved
+    if len(extracted.problem) >= REPEATED_MIN_NODES:
+        return found
+
+    def partition() -> dict[str, frozenset[int]]:
+        saved = torch_saved(joint, num_fwd_outputs, extracted)
+        return {} if saved is None else {TORCH_CANDIDATE: saved}
+
+    if cache is None:
+        return {**found, **partition()}
+    return {**found, **cache.candidates(joint, num_fwd_outputs, partition)}
+
+
+def forget_made() -> None:
+    """Forget the plans made in this process (``remember``), as a new process would."""
+    _made.clear()

@@ -29,8 +29,15 @@ from torch import fx
 from remat import costs
 from remat.agree import planning_solver
 from remat.cache import PlanCache
-from remat.candidates import YOURS, cheaper_and_fits, still_fitting, user_plan
-from remat.costs import CostModel, check_cost_model
+from remat.candidates import (
+    cheaper_and_fits,
+    made_under,
+    offered,
+    remember,
+    still_fitting,
+    user_plan,
+)
+from remat.costs import CostModel, calibration, check_cost_model
 from remat.device_budget import on_device
 from remat.first_step import (
     in_room,
@@ -40,6 +47,7 @@ from remat.first_step import (
     with_room,
     with_the_rest,
 )
+from remat.keys import candidates_key
 from remat.passes._torch_compat import CompileContext, CompileId, real_tensors
 from remat.passes.clones import drop_identity_clones
 from remat.passes.extract import (
@@ -47,7 +55,6 @@ from remat.passes.extract import (
     extract,
 )
 from remat.passes.layouts import restore_traced_layouts
-from remat.passes.min_cut import torch_saved
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
@@ -68,15 +75,12 @@ from remat.solvers import (
 from remat.solvers.budget import Budget
 from remat.solvers.solve import (
     CPSAT_SOLVERS,
-    REPEATED_MIN_NODES,
     SOLVERS,
     Solver,
     solver_for,
 )
 
 log = logging.getLogger("remat")
-
-TORCH_CANDIDATE = "torch-min-cut"  # the name a plan taken from torch's partition carries
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class GraphPlan:
     reserve: int = 0
     # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
     yours: Plan | None = None
+    # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
+    figures: str = "calibrated"
 
     @property
     def saved_bytes(self) -> int:
@@ -290,11 +296,15 @@ class Planner:
                 format_bytes(limit),
                 getattr(self.solver, "__name__", self.solver),
             )
-            candidates = (
-                functools.partial(self._candidates, joint, num_fwd_outputs, extracted, yours)
-                if kept is None
-                else lambda: {f"{kept.solver} (kept)": kept.saved}
-            )
+            key = candidates_key(joint, num_fwd_outputs)
+            made = made_under(key, limit)
+            if kept is not None:
+                candidates = functools.partial(dict, {f"{kept.solver} (kept)": kept.saved})
+            elif self.solver == "auto":
+                args = (joint, num_fwd_outputs, extracted, yours, made, self.cache)
+                candidates = functools.partial(offered, *args)
+            else:
+                candidates = dict
             whole = alone and not reserve and only_a_loss(extracted)
             plan = self._first_plan(
                 problem,
@@ -309,6 +319,8 @@ class Planner:
             )
             if self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
+            if plan.peak <= limit + reserve:
+                remember(key, limit, plan)
         solved_at = time.perf_counter()
         record = GraphPlan(
             name,
@@ -323,6 +335,7 @@ class Planner:
             binding=tuple(sorted((str(s), v) for s, v in binding.items())),
             reserve=reserve,
             yours=yours,
+            figures="calibrated" if calibration.enabled() else "datasheet",
         )
         self.graphs.append(record)
         return record
@@ -351,30 +364,6 @@ class Planner:
             if g.compile_id is not None and g.compile_id.frame_id < current.frame_id:
                 latest[g.compile_id.frame_id] = g
         return sum(held_bytes(g.extracted.problem, g.plan) for g in latest.values())
-
-    def _candidates(
-        self,
-        joint: fx.GraphModule,
-        num_fwd_outputs: int,
-        extracted: Extracted,
-        yours: Plan | None = None,
-    ) -> dict[str, frozenset[int]]:
-        """For the ``auto`` solver, the plan of the user's own checkpointing (``yours``)
-        and, on graphs below ``REPEATED_MIN_NODES``, torch's own partition (above, it
-        takes longer than remat's plan: docs/benchmarks.md, "Planning at LLM depth")."""
-        if self.solver != "auto":
-            return {}
-        found = {} if yours is None else {YOURS: yours.saved}
-        if len(extracted.problem) >= REPEATED_MIN_NODES:
-            return found
-
-        def partition() -> dict[str, frozenset[int]]:
-            saved = torch_saved(joint, num_fwd_outputs, extracted)
-            return {} if saved is None else {TORCH_CANDIDATE: saved}
-
-        if self.cache is None:
-            return {**found, **partition()}
-        return {**found, **self.cache.candidates(joint, num_fwd_outputs, partition)}
 
     def _first_plan(
         self,
@@ -442,7 +431,8 @@ class Planner:
         if self.cache is None:
             return measure()
         device = _device_of(joint)
-        model = f"{self.cost_model}/{self.compiler}"
+        figures = "calibrated" if calibration.enabled() else "datasheet"
+        model = f"{self.cost_model}/{self.compiler}/{figures}"
         if binding:
             model += f" at {describe(binding)}"
         args = (joint, num_fwd_outputs, model, device, name, measure)
@@ -488,7 +478,9 @@ class Planner:
         return max(self.budget.nbytes - held - reserve, 1)
 
     def _cost_model(self, joint: fx.GraphModule) -> CostModel:
-        return CostModel.for_graph(self.cost_model, joint, _device_of(joint), self.compiler)
+        device = _device_of(joint)
+        spec = costs.device_spec(joint, device, None if self.cache is None else self.cache.figures)
+        return CostModel.for_graph(self.cost_model, joint, device, self.compiler, spec)
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

@@ -114,7 +114,7 @@ class PlanReport:
                     "predicted peak": format_bytes(p.peak),
                     "store-all peak": format_bytes(g.store_all.peak),
                     "recompute": f"+{p.recompute_cost / max(fwd_cost, 1e-12):.1%} fwd",
-                    "step (est.)": f"{g.step_seconds:.3g}s",
+                    "step (est.)": f"{g.step_seconds:.3g}s{uncalibrated(g)}",
                     "solver": solver_label(p),
                     **({"your checkpointing": _yours(g)} if checkpointed else {}),
                     "plan time": f"{g.plan_seconds:.2f}s",
@@ -194,6 +194,12 @@ def _plan_numbers(plan: Plan) -> dict:
     }
 
 
+def uncalibrated(g: GraphPlan) -> str:
+    """A mark on a time estimate from the datasheet's figures (``REMAT_CALIBRATE=0``),
+    which can be 2x off on a CPU (docs/cost-model.md, "Calibration")."""
+    return "" if g.figures == "calibrated" else " (datasheet)"
+
+
 def _graph_dict(g: GraphPlan) -> dict:
     p, problem = g.plan, g.extracted.problem
     forward_seconds = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
@@ -212,6 +218,7 @@ def _graph_dict(g: GraphPlan) -> dict:
         "recomputed_bytes": sum(problem.nodes[i].bytes for i in again),
         "recompute_overhead": p.recompute_cost / max(forward_seconds, 1e-12),
         "step_seconds": g.step_seconds,
+        "step_seconds_figures": g.figures,
         "plan_seconds": g.plan_seconds,
         **_plan_numbers(p),
         "values": [v.to_dict() for v in _graph_values(g)],

@@ -1,5 +1,8 @@
 """Every test plans afresh: the plan cache on disk (``remat.cache``) is off unless a test
-turns it on, so no test passes on a plan another test or run stored.
+turns it on, so no test passes on a plan another test or run stored or made. Times come from the
+datasheet's figures (``REMAT_CALIBRATE=0``) unless a test turns calibration on: a plan
+must not depend on how loaded the machine was when a worker calibrated
+(``costs/test_calibration.py`` checks the calibrated path).
 
 The folders follow the library's parts: ``solvers/`` (pure, no torch), ``passes/`` (the fx
 passes), ``costs/`` (the cost model), ``runtime/`` (the step runner, memory measurement),
@@ -11,7 +14,11 @@ across the folders (pytest's default import mode, no ``__init__.py``)."""
 
 import pytest
 
+from remat.candidates import forget_made
+
 
 @pytest.fixture(autouse=True)
 def _no_plan_cache(monkeypatch):
     monkeypatch.setenv("REMAT_CACHE", "0")
+    monkeypatch.setenv("REMAT_CALIBRATE", "0")
+    forget_made()  # nor on a plan another test made in this process (``made_under``)

@@ -15,6 +15,7 @@ Why the rules are what they are, and where the figures come from: docs/cost-mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,8 @@ from torch import fx
 
 from remat.errors import InvalidOption
 
+from . import calibration
+from ._fx import compute_dtypes
 from .device import DeviceSpec, estimate_seconds, fused_seconds
 from .flags import has_side_effects, is_random, random_numbers
 from .graph import (
@@ -81,6 +84,19 @@ SAVE_PASSES, FUSED_SAVE_PASSES = 1.0, 2.0
 COMPILERS = ("eager", "inductor")  # what runs the programs; the first is the default
 
 
+def device_spec(
+    joint: fx.GraphModule,
+    device: torch.device,
+    stored: Callable[[str, Callable[[], dict]], dict] | None = None,
+) -> DeviceSpec:
+    """The roofline's figures for ``joint`` on ``device``: measured on this machine for
+    the dtypes its inputs hold (``calibration.calibrated``, kept by ``stored``), or the
+    datasheet's with ``REMAT_CALIBRATE=0``."""
+    if not calibration.enabled():
+        return DeviceSpec.for_device(device)
+    return calibration.calibrated(device, compute_dtypes(joint), stored)
+
+
 def check_cost_model(name: str) -> str:
     """``name`` if it is one of ``COST_MODELS``; ``InvalidOption`` listing them otherwise."""
     if name not in COST_MODELS:
@@ -104,17 +120,24 @@ class CostModel:
 
     @classmethod
     def for_graph(
-        cls, name: str, joint: fx.GraphModule, device: torch.device, compiler: str = "eager"
+        cls,
+        name: str,
+        joint: fx.GraphModule,
+        device: torch.device,
+        compiler: str = "eager",
+        spec: DeviceSpec | None = None,
     ) -> CostModel:
         """The cost model ``name`` (one of ``COST_MODELS``) of ``joint`` on ``device`` for
-        programs ``compiler`` runs; with "profile", every distinct kernel of ``joint`` is
+        programs ``compiler`` runs, with ``spec``'s figures (``calibration.calibrated``;
+        default: the datasheet's); with "profile", every distinct kernel of ``joint`` is
         timed now."""
         check_cost_model(name)
         if compiler not in COMPILERS:
             raise InvalidOption(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-        model = cls(DeviceSpec.for_device(device), device, compiler=compiler)
+        spec = DeviceSpec.for_device(device) if spec is None else spec
+        model = cls(spec, device, compiler=compiler)
         if name == "profile":
-            model.measured.update(profile_seconds(joint, device))
+            model.measured.update(profile_seconds(joint, device, spec=spec))
         return model
 
     def allocated_bytes(self, node: fx.Node) -> int:

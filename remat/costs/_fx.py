@@ -70,3 +70,13 @@ def input_nodes(node: fx.Node) -> Iterator[fx.Node]:
         if isinstance(a, fx.Node) and a not in seen:
             seen.add(a)
             yield a
+
+
+def compute_dtypes(gm: fx.GraphModule) -> set[torch.dtype]:
+    """The floating dtypes ``gm``'s inputs hold: what its matmuls compute in."""
+    found = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            found.add(val.dtype)
+    return found or {torch.float32}

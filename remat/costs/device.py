@@ -10,6 +10,7 @@ docs/cost-model.md, "Time model: the roofline".
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 from dataclasses import dataclass
@@ -74,6 +75,24 @@ class DeviceSpec:
     launch_overhead: float
     matmul_peaks: tuple[tuple[str, float], ...] = ()
     random_per_second: float = math.inf  # random numbers drawn per second
+    # measured (bytes moved, bytes per second) of a pointwise kernel into a fresh output,
+    # ascending (``calibration``); empty: ``bandwidth`` at every size
+    stream: tuple[tuple[int, float], ...] = ()
+
+    def stream_rate(self, nbytes: float) -> float:
+        """Bytes per second a kernel moving ``nbytes`` streams at: ``stream`` interpolated
+        in log size (held flat past its ends), else ``bandwidth``."""
+        if not self.stream:
+            return self.bandwidth
+        sizes = [n for n, _ in self.stream]
+        k = bisect.bisect_left(sizes, nbytes)
+        if k == 0:
+            return self.stream[0][1]
+        if k == len(sizes):
+            return self.stream[-1][1]
+        (n0, r0), (n1, r1) = self.stream[k - 1], self.stream[k]
+        t = math.log(nbytes / n0) / math.log(n1 / n0)
+        return r0 + t * (r1 - r0)
 
     def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Peak FLOP/s of a matmul-class op computing in ``dtype``."""
@@ -158,7 +177,8 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
     f = flops(node)
     peak = spec.matmul_peak(_compute_dtype(node)) if flop_formula(node.target) else spec.peak_flops
     drawing = random_numbers(node) / spec.random_per_second
-    return max(f / peak, bytes_moved(node) / spec.bandwidth, drawing) + spec.launch_overhead
+    moved = bytes_moved(node)
+    return max(f / peak, moved / spec.stream_rate(moved), drawing) + spec.launch_overhead
 
 
 def fused_seconds(node: fx.Node, spec: DeviceSpec) -> float:

@@ -171,7 +171,12 @@ def _time_op(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: i
 
 
 def profile_seconds(
-    gm: fx.GraphModule, device: str | torch.device, *, repeat: int = 5, warmup: int = 1
+    gm: fx.GraphModule,
+    device: str | torch.device,
+    *,
+    repeat: int = 5,
+    warmup: int = 1,
+    spec: DeviceSpec | None = None,
 ) -> ProfileResult:
     """Measure every kernel of ``gm`` on ``device`` (cost_model="profile").
 
@@ -190,7 +195,7 @@ def profile_seconds(
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
-    spec = DeviceSpec.for_device(dev)
+    spec = DeviceSpec.for_device(dev) if spec is None else spec  # for the fallbacks
     result = ProfileResult()
     # A graph traced for this device type keeps its tensors where they were (CPU seed or
     # scalar tensors stay on CPU); a graph traced elsewhere moves wholesale to ``dev``.

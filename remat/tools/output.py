@@ -10,6 +10,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from remat.report import uncalibrated
 from remat.solvers import format_bytes
 from remat.values import TOP_LEVEL, module_paths, recomputed
 
@@ -137,7 +138,7 @@ def plan_table(report, budget: str) -> str:
         ("recompute (est.)", lambda g: format_seconds(g.plan.recompute_cost)),
         ("recompute overhead", lambda g: f"+{_overhead(g):.1%} of forward"),
         ("save cost (est.)", lambda g: format_seconds(g.plan.save_cost)),
-        ("step time (est.)", lambda g: format_seconds(g.step_seconds)),
+        ("step time (est.)", lambda g: format_seconds(g.step_seconds) + uncalibrated(g)),
         ("solver", lambda g: g.plan.solver),
         ("status", lambda g: g.plan.status),
         ("lower bound", lambda g: "-" if g.plan.bound is None else format_seconds(g.plan.bound)),

@@ -152,6 +152,7 @@ TABLE_HEADERS = (
     "step",
     "+-",
     "step (est.)",
+    "est. err",
     "overhead",
     "compile",
     "predicted",
@@ -182,6 +183,7 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
                 _seconds(r.step_s),
                 f"{r.spread:.1%}" if r.spread is not None else "",
                 _seconds(r.predicted_s),
+                _estimate_error(r),
                 f"{r.overhead:+.1%}" if r.overhead is not None else "",
                 f"{r.compile_s:.1f} s" if r.compile_s is not None else "",
                 format_bytes(r.predicted_peak) if r.predicted_peak is not None else "",
@@ -192,6 +194,13 @@ def rows_table(rows: Sequence[Row], *, tablefmt: str = "simple") -> str:
             ]
         )
     return tabulate(body, headers=TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
+
+
+def _estimate_error(row: Row) -> str:
+    """How far the estimated step is from the measured median, signed."""
+    if row.predicted_s is None or not row.step_s:
+        return ""
+    return f"{row.predicted_s / row.step_s - 1:+.0%}"
 
 
 def _solver_text(row: Row) -> str:

@@ -4,6 +4,7 @@ own partition as a candidate plan, on real joint graphs."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -11,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat import costs
+from remat.candidates import TORCH_CANDIDATE
 from remat.errors import InvalidOption
 from remat.passes.min_cut import torch_saved
-from remat.planner import TORCH_CANDIDATE, Planner
+from remat.planner import Planner
 from remat.solvers import SOLVERS, Budget, evaluate, saved_bytes, store_all
 from remat.solvers.cpsat import GAP_LIMIT
 
@@ -125,7 +127,7 @@ def test_torchs_partition_is_taken_where_the_solver_does_worse(joint, monkeypatc
 
 def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, monkeypatch):
     """torch's partition is computed once per graph, not again in each process."""
-    from remat import cache, planner
+    from remat import cache, candidates
 
     graph, n = joint
     calls = []
@@ -134,10 +136,11 @@ def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, m
         calls.append(1)
         return torch_saved(*args)
 
-    monkeypatch.setattr(planner, "torch_saved", counted)
+    monkeypatch.setattr(candidates, "torch_saved", counted)
     monkeypatch.setitem(SOLVERS, "auto", SOLVERS["store-all"])  # never proven within 1%
     plans = []
     for _ in range(2):  # two processes sharing one folder
+        candidates.forget_made()
         run = Planner(Budget.parse(1.0), compiler="inductor", cache=cache.PlanCache(tmp_path))
         plans.append(run.plan(copy.deepcopy(graph), n).record.plan)
     assert len(calls) == 1 and run.cache.counts["candidates hit"] == 1
@@ -149,3 +152,20 @@ def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, m
     run = Planner(Budget.parse(1.0), compiler="inductor", cache=cache.PlanCache(tmp_path))
     again = run.plan(copy.deepcopy(graph), n).record.plan
     assert len(calls) == 2 and again.saved == plans[0].saved
+
+
+def test_a_larger_budget_is_never_planned_slower_than_a_smaller_one(joint, monkeypatch):
+    """A plan made under a smaller budget is a candidate under a larger one: a solver that
+    answers the larger budget worse (here: with the lowest-peak plan) is overruled."""
+    from remat.solvers.solve import min_peak_plan
+
+    smaller = plan_of(joint, 0.85, "eager")
+
+    def lowest(problem, limit, **_):
+        return dataclasses.replace(min_peak_plan(problem), limit=limit)
+
+    monkeypatch.setitem(SOLVERS, "auto", lowest)
+    larger = plan_of(joint, 0.95, "eager")
+    assert larger.limit > smaller.limit
+    assert larger.plan.cost <= smaller.plan.cost + 1e-12
+    assert larger.plan.cost < min_peak_plan(larger.extracted.problem).cost

@@ -1,0 +1,202 @@
+"""The roofline's figures measured on the machine that runs the step, not read off a
+datasheet: what a matmul reaches in each dtype the graph computes in, what a pointwise
+kernel streams at each size (caches, and on CPU the page faults of fresh outputs), what
+an op costs to launch, and how fast the CPU draws random numbers.
+
+Each figure is a median of a few timed runs of one small kernel, under a second in all
+on 2 CPU cores; the plan cache keeps them per machine (``machine_key``), so a process
+with the cache on measures once per machine and torch release. Why calibrate, and the
+figures against the datasheet ones: docs/cost-model.md, "Calibration".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .device import DeviceSpec
+
+__all__ = ["calibrated", "enabled", "machine_key", "measure"]
+
+# A change to what is measured or how: older entries in the cache are measured again.
+VERSION = 1
+# Output sizes a pointwise kernel is timed at: from within a core's cache to past the
+# last level and (on CPU) glibc's 32 MiB mmap threshold, where fresh outputs page-fault.
+CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
+CUDA_SIZES = tuple(2**k for k in (20, 22, 24, 26, 28, 30))
+MATMUL_SIDE = {"cpu": 512, "cuda": 4096}  # square matmuls that reach the device's rate
+RUNS = 5  # timed runs per figure, after one untimed
+
+
+def enabled() -> bool:
+    """Off with ``REMAT_CALIBRATE=0``: the datasheet's figures, the same plans on every
+    machine of a kind (docs/cost-model.md, "Calibration")."""
+    return os.environ.get("REMAT_CALIBRATE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def machine_key(device: torch.device) -> str:
+    """What the figures depend on: the device model, the CPU model and thread count, the
+    torch release and ``VERSION``."""
+    parts = [
+        DeviceSpec.for_device(device).name,
+        platform.machine(),
+        _cpu_model(),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        str(VERSION),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def calibrated(
+    device: torch.device,
+    dtypes: Iterable[torch.dtype],
+    stored: Callable[[str, Callable[[], dict]], dict] | None = None,
+) -> DeviceSpec:
+    """``device``'s roofline with measured figures for ``dtypes``' matmuls; ``stored(key,
+    build)`` reads figures kept under ``key`` or builds and keeps them (the plan cache),
+    else they are measured once per process."""
+    device = _concrete(device)
+    key = f"{machine_key(device)}-{'-'.join(sorted(_name(d) for d in set(dtypes)))}"
+    names = tuple(sorted(_name(d) for d in set(dtypes)))
+    build = functools.partial(_figures, str(device), names)
+    figures = build() if stored is None else stored(key, build)
+    return _spec(device, figures)
+
+
+@functools.cache
+def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
+    return measure(torch.device(device), [getattr(torch, d) for d in dtypes])
+
+
+def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
+    """The figures, timed now: matmul FLOP/s per dtype, pointwise FLOP/s, streaming
+    bytes/s by bytes moved (into fresh outputs, as eager allocates them), bytes/s reading a
+    value back from memory, seconds per launch, random numbers per second (CPU)."""
+    start = time.perf_counter()
+    sync = _synchronizer(device)
+    pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
+    figures = {
+        "matmul": {_name(d): _matmul_rate(device, d, sync) for d in dtypes},
+        "pointwise": _pointwise_rate(device, sync),
+        "stream": [[2 * n, _stream_rate(device, n, pool, sync)] for n in _sizes(device)],
+        "read": _read_rate(pool, sync),
+        "launch": _launch_seconds(device, sync),
+        "random": _random_rate(device, sync) if device.type == "cpu" else None,
+    }
+    figures["seconds"] = time.perf_counter() - start
+    return figures
+
+
+def _spec(device: torch.device, figures: dict) -> DeviceSpec:
+    base = DeviceSpec.for_device(device)
+    random = figures.get("random")
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}, calibrated",
+        peak_flops=figures["pointwise"],
+        bandwidth=figures["read"],
+        launch_overhead=figures["launch"],
+        matmul_peaks=tuple(sorted({**dict(base.matmul_peaks), **figures["matmul"]}.items())),
+        random_per_second=base.random_per_second if random is None else random,
+        stream=tuple((int(n), float(r)) for n, r in figures["stream"]),
+    )
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _median_seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
+    run()
+    sync()
+    times = []
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, sync) -> float:
+    n = MATMUL_SIDE.get(device.type, MATMUL_SIDE["cuda"])
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _median_seconds(lambda: a @ b, sync)
+
+
+def _pointwise_rate(device: torch.device, sync) -> float:
+    """Flops per second of a pointwise kernel on a tensor that stays in cache (one flop
+    per element)."""
+    x = torch.ones(2**16, device=device)
+    return x.numel() / _median_seconds(lambda: x.mul_(1.0), sync)
+
+
+def _stream_rate(device: torch.device, nbytes: int, pool: torch.Tensor, sync) -> float:
+    """Bytes moved per second by ``x + 1`` into a fresh output of ``nbytes``, each run's
+    ``x`` another slice of ``pool``: read cold, as a step reads what an earlier kernel
+    wrote long before (a warm input streams up to 2x faster)."""
+    count = max(1, pool.numel() * 4 // nbytes)
+    inputs = pool[: count * (nbytes // 4)].view(count, -1) if count > 1 else pool.view(1, -1)
+    turn = iter(range(1 << 62))
+    return 2 * nbytes / _median_seconds(lambda: inputs[next(turn) % count] + 1, sync)
+
+
+def _read_rate(pool: torch.Tensor, sync) -> float:
+    """Bytes per second reading a value that is no longer in any cache: what a saved
+    value costs the backward that reads it back."""
+    return pool.numel() * 4 / _median_seconds(pool.sum, sync)
+
+
+def _launch_seconds(device: torch.device, sync) -> float:
+    x = torch.zeros(1, device=device)
+    return _median_seconds(lambda: [x + 1 for _ in range(100)], sync) / 100
+
+
+def _random_rate(device: torch.device, sync) -> float:
+    x = torch.empty(2**20, device=device)
+    generator = torch.Generator(device).manual_seed(0)  # the run's random stream untouched
+    return x.numel() / _median_seconds(lambda: x.bernoulli_(0.5, generator=generator), sync)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _sizes(device: torch.device) -> tuple[int, ...]:
+    return CPU_SIZES if device.type == "cpu" else CUDA_SIZES
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def _concrete(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

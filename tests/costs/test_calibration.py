@@ -1,0 +1,85 @@
+"""The roofline's figures measured on this machine (``remat.costs.calibration``): what is
+measured, how it is kept per machine, and what the report says of estimates made without
+it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.cache import PlanCache
+from remat.costs import DeviceSpec, calibration
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def figures():
+    return calibration.measure(CPU, [torch.float32, torch.bfloat16])
+
+
+def test_every_figure_is_measured_and_positive(figures):
+    assert set(figures["matmul"]) == {"float32", "bfloat16"}
+    assert all(rate > 0 for rate in figures["matmul"].values())
+    assert figures["pointwise"] > 0 and figures["read"] > 0 and figures["random"] > 0
+    assert 0 < figures["launch"] < 1e-3  # a tiny op on CPU: microseconds, not milliseconds
+    moved = [n for n, _ in figures["stream"]]
+    assert moved == sorted(moved) and all(rate > 0 for _, rate in figures["stream"])
+
+
+def test_a_spec_streams_at_its_measured_rates_between_and_past_its_sizes():
+    spec = DeviceSpec("t", 1.0, bandwidth=5.0, launch_overhead=0.0, stream=((4, 10.0), (16, 30.0)))
+    assert spec.stream_rate(1) == 10.0  # flat below the smallest size measured
+    assert spec.stream_rate(4) == 10.0
+    assert spec.stream_rate(8) == pytest.approx(20.0)  # halfway in log size
+    assert spec.stream_rate(1 << 20) == 30.0  # flat past the largest
+    assert DeviceSpec("t", 1.0, bandwidth=5.0, launch_overhead=0.0).stream_rate(8) == 5.0
+
+
+def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatch):
+    measured = []
+
+    def measure(device, dtypes):
+        measured.append(device)
+        return {
+            "matmul": {"float32": 2e11},
+            "pointwise": 1e10,
+            "stream": [[1 << 20, 5e10], [1 << 28, 7e9]],
+            "read": 3e10,
+            "launch": 3e-6,
+            "random": 1.7e8,
+            "seconds": 0.8,
+        }
+
+    monkeypatch.setattr(calibration, "measure", measure)
+    calibration._figures.cache_clear()
+    first = calibration.calibrated(CPU, {torch.float32}, PlanCache(tmp_path).figures)
+    again = PlanCache(tmp_path)
+    second = calibration.calibrated(CPU, {torch.float32}, again.figures)
+    calibration._figures.cache_clear()
+    assert len(measured) == 1 and again.counts["calibration hit"] == 1
+    assert first == second
+    assert first.matmul_peak(torch.float32) == 2e11 and first.bandwidth == 3e10
+    assert first.stream_rate(1 << 30) == 7e9 and first.name.endswith("calibrated")
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), x)
+
+
+@pytest.mark.parametrize("calibrate", ["1", "0"])
+def test_an_estimate_from_the_datasheet_says_so(calibrate, monkeypatch):
+    monkeypatch.setenv("REMAT_CALIBRATE", calibrate)
+    report = remat.plan(Tiny(), (torch.randn(8, 16),), budget=1.0)
+    figures = "calibrated" if calibrate == "1" else "datasheet"
+    assert report.graphs[0].figures == figures
+    assert report.to_dict()["graphs"][0]["step_seconds_figures"] == figures
+    assert ("(datasheet)" in str(report)) == (calibrate == "0")
