@@ -113,6 +113,9 @@ def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> tor
     return mask.to(x.dtype).mul_(x).mul_(scale)
 
 
+APPLY_DROPOUT_MASK = torch.ops.remat.apply_dropout_mask.default  # as it stands in a graph
+
+
 @apply_dropout_mask.register_fake
 def _(x, mask, scale):
     return torch.empty_like(x)
@@ -149,9 +152,7 @@ def replay_dropouts(joint: fx.GraphModule) -> int:
         with graph.inserting_before(node):
             state = graph.call_function(torch.ops.remat.rng_state.default, (x,))
             mask = graph.call_function(torch.ops.remat.dropout_mask.default, (state, x, p, False))
-            out = graph.call_function(
-                torch.ops.remat.apply_dropout_mask.default, (x, mask, dropout_scale(p, val))
-            )
+            out = graph.call_function(APPLY_DROPOUT_MASK, (x, mask, dropout_scale(p, val)))
         out_val, mask_val = node.meta["val"]
         with getattr(val, "fake_mode", None) or contextlib.nullcontext():
             state.meta["val"] = torch.ops.remat.rng_state.default(val)

@@ -3,7 +3,7 @@ datasheet: what a matmul reaches in each dtype the graph computes in, what a poi
 kernel streams at each size (caches, and on CPU the page faults of fresh outputs), what
 an op costs to launch, and how fast the CPU draws random numbers.
 
-Each figure is a median of a few timed runs of one small kernel, under a second in all
+Each figure is the fastest of a few timed runs of one small kernel, under a second in all
 on 2 CPU cores; the plan cache keeps them per machine (``machine_key``), so a process
 with the cache on measures once per machine and torch release. Why calibrate, and the
 figures against the datasheet ones: docs/cost-model.md, "Calibration".
@@ -16,7 +16,6 @@ import functools
 import hashlib
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Iterable
 
@@ -34,6 +33,9 @@ CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
 CUDA_SIZES = tuple(2**k for k in (20, 22, 24, 26, 28, 30))
 MATMUL_SIDE = {"cpu": 512, "cuda": 4096}  # square matmuls that reach the device's rate
 RUNS = 5  # timed runs per figure, after one untimed
+MIXED_ELEMENTS = 1 << 22  # a dropout-sized activation
+ALLOCATOR_WARMUP = 32 << 20  # bytes: glibc's largest mmap threshold (see ``measure``)
+DROPOUT_KEEP = 0.9  # the keep probability drawn: CPU's bernoulli_ runs 2x slower at 0.5
 
 
 def enabled() -> bool:
@@ -79,16 +81,24 @@ def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
 
 def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     """The figures, timed now: matmul FLOP/s per dtype, pointwise FLOP/s, streaming
-    bytes/s by bytes moved (into fresh outputs, as eager allocates them), bytes/s reading a
-    value back from memory, seconds per launch, random numbers per second (CPU)."""
+    bytes/s by output bytes (fresh outputs, as eager allocates them), bytes/s reading
+    a value back from memory, bytes/s of pointwise kernels over two dtypes, elements/s of
+    a transcendental function, seconds per launch, random numbers per second (CPU)."""
     start = time.perf_counter()
     sync = _synchronizer(device)
+    # glibc maps a fresh block (page faults on every touch) for any allocation above a
+    # threshold that rises to the largest block freed, up to 32 MiB: a step's frees raise
+    # it, so the allocator is measured as a step leaves it, not as a new process has it
+    if device.type == "cpu":
+        torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     figures = {
         "matmul": {_name(d): _matmul_rate(device, d, sync) for d in dtypes},
         "pointwise": _pointwise_rate(device, sync),
-        "stream": [[2 * n, _stream_rate(device, n, pool, sync)] for n in _sizes(device)],
+        "stream": [[n, _stream_rate(device, n, pool, sync)] for n in _sizes(device)],
         "read": _read_rate(pool, sync),
+        **_two_dtype_rates(device, pool, sync),
+        "transcendental": _transcendental_rate(device, sync),
         "launch": _launch_seconds(device, sync),
         "random": _random_rate(device, sync) if device.type == "cpu" else None,
     }
@@ -107,6 +117,10 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
         launch_overhead=figures["launch"],
         matmul_peaks=tuple(sorted({**dict(base.matmul_peaks), **figures["matmul"]}.items())),
         random_per_second=base.random_per_second if random is None else random,
+        mixed_rate=figures["mixed"],
+        select_rate=figures["select"],
+        cast_rate=figures["cast"],
+        transcendental_rate=figures["transcendental"],
         stream=tuple((int(n), float(r)) for n, r in figures["stream"]),
     )
 
@@ -114,7 +128,9 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
 # ----------------------------------------------------------------------------- timing
 
 
-def _median_seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
+def _fastest_seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
+    """The fastest of ``RUNS`` timed runs: a roofline is a peak, and the fastest run is
+    the one a busy machine or an allocator not yet in its steady state slowed least."""
     run()
     sync()
     times = []
@@ -123,21 +139,21 @@ def _median_seconds(run: Callable[[], object], sync: Callable[[], None]) -> floa
         run()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, sync) -> float:
     n = MATMUL_SIDE.get(device.type, MATMUL_SIDE["cuda"])
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _median_seconds(lambda: a @ b, sync)
+    return 2 * n**3 / _fastest_seconds(lambda: a @ b, sync)
 
 
 def _pointwise_rate(device: torch.device, sync) -> float:
     """Flops per second of a pointwise kernel on a tensor that stays in cache (one flop
     per element)."""
     x = torch.ones(2**16, device=device)
-    return x.numel() / _median_seconds(lambda: x.mul_(1.0), sync)
+    return x.numel() / _fastest_seconds(lambda: x.mul_(1.0), sync)
 
 
 def _stream_rate(device: torch.device, nbytes: int, pool: torch.Tensor, sync) -> float:
@@ -147,24 +163,48 @@ def _stream_rate(device: torch.device, nbytes: int, pool: torch.Tensor, sync) ->
     count = max(1, pool.numel() * 4 // nbytes)
     inputs = pool[: count * (nbytes // 4)].view(count, -1) if count > 1 else pool.view(1, -1)
     turn = iter(range(1 << 62))
-    return 2 * nbytes / _median_seconds(lambda: inputs[next(turn) % count] + 1, sync)
+    return 2 * nbytes / _fastest_seconds(lambda: inputs[next(turn) % count] + 1, sync)
 
 
 def _read_rate(pool: torch.Tensor, sync) -> float:
     """Bytes per second reading a value that is no longer in any cache: what a saved
     value costs the backward that reads it back."""
-    return pool.numel() * 4 / _median_seconds(pool.sum, sync)
+    return pool.numel() * 4 / _fastest_seconds(pool.sum, sync)
+
+
+def _two_dtype_rates(device: torch.device, pool: torch.Tensor, sync) -> dict[str, float]:
+    """Bytes moved per second by pointwise kernels over a float and a bool mask: the
+    arithmetic (``x * mask``, as dropout's backward runs), a selection
+    (``masked_fill``) and a cast (``mask.to(float)``, as dropout's replay runs). CPU
+    kernels convert element by element there, 3-10x slower than ``x * y``."""
+    n = MIXED_ELEMENTS
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    x = pool[:n]
+    return {
+        "mixed": (4 + 1 + 4) * n / _fastest_seconds(lambda: x * mask, sync),
+        "select": (4 + 1 + 4) * n / _fastest_seconds(lambda: x.masked_fill(mask, 0.0), sync),
+        "cast": (1 + 4) * n / _fastest_seconds(lambda: mask.to(torch.float32), sync),
+    }
+
+
+def _transcendental_rate(device: torch.device, sync) -> float:
+    """Elements per second of ``exp`` on a tensor that stays in cache: on CPU softmax,
+    gelu and their kernels run at this rate, not at their bytes' (docs/cost-model.md)."""
+    x = torch.ones(2**16, device=device)
+    return x.numel() / _fastest_seconds(x.exp, sync)
 
 
 def _launch_seconds(device: torch.device, sync) -> float:
     x = torch.zeros(1, device=device)
-    return _median_seconds(lambda: [x + 1 for _ in range(100)], sync) / 100
+    return _fastest_seconds(lambda: [x + 1 for _ in range(100)], sync) / 100
 
 
 def _random_rate(device: torch.device, sync) -> float:
     x = torch.empty(2**20, device=device)
     generator = torch.Generator(device).manual_seed(0)  # the run's random stream untouched
-    return x.numel() / _median_seconds(lambda: x.bernoulli_(0.5, generator=generator), sync)
+    return x.numel() / _fastest_seconds(
+        lambda: x.bernoulli_(DROPOUT_KEEP, generator=generator), sync
+    )
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -18,11 +18,24 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from remat.passes._torch_compat import OpOverload
+from remat.passes.rng import APPLY_DROPOUT_MASK
+
 from ._fx import input_nodes, meta_val, tensors_of
 from .flags import random_numbers
-from .graph import bytes_moved, flop_formula, flops, is_kernel, is_view
+from .graph import (
+    bytes_moved,
+    flop_formula,
+    flops,
+    is_kernel,
+    is_pointwise,
+    is_view,
+    output_bytes,
+)
 
 __all__ = ["DeviceSpec", "estimate_seconds", "fused_seconds"]
+
+aten = torch.ops.aten
 
 
 # Datasheet peaks (fp32 non-tensor FLOP/s, tf32 tensor FLOP/s, bf16/fp16 tensor FLOP/s,
@@ -75,13 +88,22 @@ class DeviceSpec:
     launch_overhead: float
     matmul_peaks: tuple[tuple[str, float], ...] = ()
     random_per_second: float = math.inf  # random numbers drawn per second
-    # measured (bytes moved, bytes per second) of a pointwise kernel into a fresh output,
-    # ascending (``calibration``); empty: ``bandwidth`` at every size
+    # measured (output bytes, bytes moved per second) of a pointwise kernel writing a fresh
+    # output, ascending (``calibration``); empty: ``bandwidth`` at every size
     stream: tuple[tuple[int, float], ...] = ()
+    # bytes moved per second by pointwise kernels over a float and a bool: arithmetic,
+    # selection (``masked_fill``, ``where``), a cast; measured (``calibration``), else no
+    # slower than any kernel
+    mixed_rate: float = math.inf
+    select_rate: float = math.inf
+    cast_rate: float = math.inf
+    # elements per second of a transcendental function (exp): softmax's and gelu's roof
+    transcendental_rate: float = math.inf
 
     def stream_rate(self, nbytes: float) -> float:
-        """Bytes per second a kernel moving ``nbytes`` streams at: ``stream`` interpolated
-        in log size (held flat past its ends), else ``bandwidth``."""
+        """Bytes moved per second by a kernel writing ``nbytes``: ``stream`` interpolated
+        in log size (held flat past its ends), else ``bandwidth``. By output size, since
+        a fresh output is where the cliffs are (on CPU, page faults past 32 MiB)."""
         if not self.stream:
             return self.bandwidth
         sizes = [n for n, _ in self.stream]
@@ -177,8 +199,93 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
     f = flops(node)
     peak = spec.matmul_peak(_compute_dtype(node)) if flop_formula(node.target) else spec.peak_flops
     drawing = random_numbers(node) / spec.random_per_second
+    if node.target is APPLY_DROPOUT_MASK:
+        return _apply_dropout_mask_seconds(node, spec)
     moved = bytes_moved(node)
-    return max(f / peak, moved / spec.stream_rate(moved), drawing) + spec.launch_overhead
+    rate = spec.stream_rate(output_bytes(node))
+    if _mixes_dtypes(node):
+        if node.target in _SELECTORS:
+            rate = min(rate, spec.select_rate)
+        elif node.target in _CASTS:
+            rate = min(rate, spec.cast_rate)
+        elif is_pointwise(node):
+            rate = min(rate, spec.mixed_rate)
+    computing = _transcendentals(node) / spec.transcendental_rate
+    return max(f / peak, moved / rate, drawing, computing) + spec.launch_overhead
+
+
+# pointwise ops whose bool input selects rather than enters the arithmetic, and casts:
+# each has its own measured rate (``calibration._two_dtype_rates``)
+_SELECTORS = frozenset(
+    (
+        aten.masked_fill.Scalar,
+        aten.masked_fill.Tensor,
+        aten.masked_fill_.Scalar,
+        aten.masked_fill_.Tensor,
+        aten.where.self,
+        aten.where.ScalarOther,
+        aten.where.ScalarSelf,
+        aten.where.Scalar,
+    )
+)
+_CASTS = frozenset((aten._to_copy.default, aten.copy_.default, aten.copy.default))
+# ops that evaluate a transcendental function per output element (exp, erf, tanh, log):
+# on CPU they run at the measured ``exp`` rate, below their bytes' (softmax: 3x)
+_TRANSCENDENTAL = frozenset(
+    (
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "log2",
+        "tanh",
+        "tanh_backward",
+        "sigmoid",
+        "sigmoid_backward",
+        "erf",
+        "erfc",
+        "erfinv",
+        "gelu",
+        "gelu_backward",
+        "silu",
+        "silu_backward",
+        "mish",
+        "softplus",
+        "elu",
+        "_softmax",
+        "_log_softmax",
+        "sin",
+        "cos",
+        "pow",
+        "rsqrt",
+        "sqrt",
+    )
+)
+
+
+def _transcendentals(node: fx.Node) -> int:
+    """Elements ``node`` evaluates a transcendental function for: its outputs', if its op
+    is one (``_TRANSCENDENTAL``)."""
+    target = node.target
+    if not isinstance(target, OpOverload) or target.__name__.split(".")[0] not in _TRANSCENDENTAL:
+        return 0
+    return sum(t.numel() for t in tensors_of(meta_val(node)))
+
+
+def _apply_dropout_mask_seconds(node: fx.Node, spec: DeviceSpec) -> float:
+    """remat's dropout replay runs three kernels (``passes/rng.apply_dropout_mask``): the
+    bool mask cast into the output (two dtypes), then ``* x`` and ``* scale`` in place."""
+    out = output_bytes(node)
+    mask = sum(t.numel() for t in tensors_of(meta_val(node)))  # one byte per element
+    cast = (mask + out) / min(spec.stream_rate(out), spec.cast_rate)
+    multiplies = 5 * out / spec.stream_rate(out)  # read out and x, write; read, write
+    return cast + multiplies + 3 * spec.launch_overhead
+
+
+def _mixes_dtypes(node: fx.Node) -> bool:
+    """Whether ``node``'s tensor inputs hold more than one dtype."""
+    return len({t.dtype for i in input_nodes(node) for t in tensors_of(meta_val(i))}) > 1
 
 
 def fused_seconds(node: fx.Node, spec: DeviceSpec) -> float:

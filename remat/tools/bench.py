@@ -207,10 +207,14 @@ def _prepare_all(configs, spec, kwargs, dev, references, say: Progress, where: s
 def _time_rounds(live: list[_Config], repeat: int, dev: torch.device, say: Progress) -> None:
     """``repeat`` rounds of one timed step of every configuration (``_round_order``), so
     that drift of the machine hits all alike; each step's seconds go to its row's
-    ``times``."""
+    ``times``. Each timed step follows an untimed one of the same configuration, as a
+    training step follows a step of the same model: right after another configuration's
+    step it ran up to 1.6x slower (caches, and the allocator's free blocks, left by
+    another model: docs/cost-model.md, "Calibration")."""
     for r in range(repeat):
         say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
         for cfg in _round_order(live, r):
+            _timed_step(cfg, dev)
             cfg.row.times.append(_timed_step(cfg, dev))
 
 
