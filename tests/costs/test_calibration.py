@@ -24,7 +24,8 @@ def figures():
 def test_every_figure_is_measured_and_positive(figures):
     assert set(figures["matmul"]) == {"float32", "bfloat16"}
     assert all(rate > 0 for rate in figures["matmul"].values())
-    assert figures["pointwise"] > 0 and figures["read"] > 0 and figures["random"] > 0
+    rates = ("pointwise", "read", "random", "mixed", "select", "cast", "transcendental")
+    assert all(figures[name] > 0 for name in rates)
     assert 0 < figures["launch"] < 1e-3  # a tiny op on CPU: microseconds, not milliseconds
     moved = [n for n, _ in figures["stream"]]
     assert moved == sorted(moved) and all(rate > 0 for _, rate in figures["stream"])
@@ -39,7 +40,15 @@ def test_a_spec_streams_at_its_measured_rates_between_and_past_its_sizes():
     assert DeviceSpec("t", 1.0, bandwidth=5.0, launch_overhead=0.0).stream_rate(8) == 5.0
 
 
-def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_process():
+    """No figures memoised by an earlier test, nor left for a later one."""
+    calibration._figures.cache_clear()
+    yield
+    calibration._figures.cache_clear()
+
+
+def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatch, fresh_process):
     measured = []
 
     def measure(device, dtypes):
@@ -49,17 +58,20 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
             "pointwise": 1e10,
             "stream": [[1 << 20, 5e10], [1 << 28, 7e9]],
             "read": 3e10,
+            "mixed": 9e9,
+            "select": 8e9,
+            "cast": 7e9,
+            "transcendental": 1e9,
             "launch": 3e-6,
             "random": 1.7e8,
             "seconds": 0.8,
         }
 
     monkeypatch.setattr(calibration, "measure", measure)
-    calibration._figures.cache_clear()
     first = calibration.calibrated(CPU, {torch.float32}, PlanCache(tmp_path).figures)
+    calibration._figures.cache_clear()  # a new process
     again = PlanCache(tmp_path)
     second = calibration.calibrated(CPU, {torch.float32}, again.figures)
-    calibration._figures.cache_clear()
     assert len(measured) == 1 and again.counts["calibration hit"] == 1
     assert first == second
     assert first.matmul_peak(torch.float32) == 2e11 and first.bandwidth == 3e10
