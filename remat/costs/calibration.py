@@ -26,12 +26,14 @@ from .device import DeviceSpec
 __all__ = ["calibrated", "enabled", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
-VERSION = 2
+VERSION = 3
 # Output sizes a pointwise kernel is timed at: from within a core's cache to past the
 # last level and (on CPU) glibc's 32 MiB mmap threshold, where fresh outputs page-fault.
 CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
 CUDA_SIZES = tuple(2**k for k in (20, 22, 24, 26, 28, 30))
-MATMUL_SIDE = {"cpu": 512, "cuda": 4096}  # square matmuls that reach the device's rate
+# the inner sides of the matmuls timed: a matmul whose smallest dimension is small (an
+# attention head's 64) runs below the rate of a large one (docs/cost-model.md)
+MATMUL_SIDES = {"cpu": (64, 128, 256, 512), "cuda": (64, 256, 1024, 4096)}
 RUNS = 5  # timed runs per figure, after one untimed
 MIXED_ELEMENTS = 1 << 22  # a dropout-sized activation
 ALLOCATOR_WARMUP = 32 << 20  # bytes: glibc's largest mmap threshold (see ``measure``)
@@ -93,7 +95,7 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
         torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     figures = {
-        "matmul": {_name(d): _matmul_rate(device, d, sync) for d in dtypes},
+        "matmul": {_name(d): _matmul_rates(device, d, sync) for d in dtypes},
         "pointwise": _pointwise_rate(device, sync),
         "stream": [[n, _stream_rate(device, n, pool, sync)] for n in _sizes(device)],
         "read": _read_rate(pool, sync),
@@ -115,7 +117,13 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
         peak_flops=figures["pointwise"],
         bandwidth=figures["read"],
         launch_overhead=figures["launch"],
-        matmul_peaks=tuple(sorted({**dict(base.matmul_peaks), **figures["matmul"]}.items())),
+        matmul_peaks=tuple(
+            sorted({**dict(base.matmul_peaks), **_peaks(figures["matmul"])}.items())
+        ),
+        matmul_sides=tuple(
+            (dtype, tuple((int(n), float(r)) for n, r in rates))
+            for dtype, rates in sorted(figures["matmul"].items())
+        ),
         random_per_second=base.random_per_second if random is None else random,
         mixed_rate=figures["mixed"],
         select_rate=figures["select"],
@@ -142,11 +150,24 @@ def _fastest_seconds(run: Callable[[], object], sync: Callable[[], None]) -> flo
     return min(times)
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype, sync) -> float:
-    n = MATMUL_SIDE.get(device.type, MATMUL_SIDE["cuda"])
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _fastest_seconds(lambda: a @ b, sync)
+def _matmul_rates(device: torch.device, dtype: torch.dtype, sync) -> list[list[float]]:
+    """[side, FLOP/s] of matmuls in ``dtype`` whose inner dimension is ``side`` and whose
+    others are the largest side (an attention head's (512 x 64) @ (64 x 512)), ascending."""
+    sides = MATMUL_SIDES.get(device.type, MATMUL_SIDES["cuda"])
+    m = sides[-1]
+    warm = torch.randn(m, m, device=device).to(dtype)
+    for _ in range(RUNS):  # the math library's first calls in a process run slower
+        warm @ warm
+    rates = []
+    for k in sides:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, m, device=device).to(dtype)
+        rates.append([k, 2 * m * m * k / _fastest_seconds(lambda a=a, b=b: a @ b, sync)])
+    return rates
+
+
+def _peaks(matmul: dict[str, list]) -> dict[str, float]:
+    return {dtype: max(rate for _, rate in rates) for dtype, rates in matmul.items()}
 
 
 def _pointwise_rate(device: torch.device, sync) -> float:

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from remat.passes._torch_compat import OpOverload
 from remat.passes.rng import APPLY_DROPOUT_MASK
+from remat.passes.sizes import hint
 
 from ._fx import input_nodes, meta_val, tensors_of
 from .flags import random_numbers
@@ -87,6 +88,8 @@ class DeviceSpec:
     bandwidth: float
     launch_overhead: float
     matmul_peaks: tuple[tuple[str, float], ...] = ()
+    # measured (dtype, ((side, FLOP/s), ...)) of square matmuls (``calibration``)
+    matmul_sides: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     random_per_second: float = math.inf  # random numbers drawn per second
     # measured (output bytes, bytes moved per second) of a pointwise kernel writing a fresh
     # output, ascending (``calibration``); empty: ``bandwidth`` at every size
@@ -104,17 +107,17 @@ class DeviceSpec:
         """Bytes moved per second by a kernel writing ``nbytes``: ``stream`` interpolated
         in log size (held flat past its ends), else ``bandwidth``. By output size, since
         a fresh output is where the cliffs are (on CPU, page faults past 32 MiB)."""
-        if not self.stream:
-            return self.bandwidth
-        sizes = [n for n, _ in self.stream]
-        k = bisect.bisect_left(sizes, nbytes)
-        if k == 0:
-            return self.stream[0][1]
-        if k == len(sizes):
-            return self.stream[-1][1]
-        (n0, r0), (n1, r1) = self.stream[k - 1], self.stream[k]
-        t = math.log(nbytes / n0) / math.log(n1 / n0)
-        return r0 + t * (r1 - r0)
+        return _interpolated(self.stream, nbytes) if self.stream else self.bandwidth
+
+    def matmul_rate(self, dtype: torch.dtype | None, side: int | None) -> float:
+        """FLOP/s of a matmul in ``dtype`` whose smallest dimension is ``side``: the
+        measured ``matmul_sides`` interpolated in log side (flat past their ends), else
+        the peak."""
+        key = str(dtype).removeprefix("torch.")
+        rates = dict(self.matmul_sides).get(key)
+        if side is None or not rates:
+            return self.matmul_peak(dtype)
+        return _interpolated(rates, side)
 
     def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Peak FLOP/s of a matmul-class op computing in ``dtype``."""
@@ -147,6 +150,18 @@ class DeviceSpec:
             launch_overhead=_CUDA_LAUNCH,
             matmul_peaks=(("bfloat16", half), ("float16", half)),
         )
+
+
+def _interpolated(points: tuple[tuple[int, float], ...], x: float) -> float:
+    """``points`` (ascending x, y) interpolated at ``x`` in log x, flat past their ends."""
+    xs = [n for n, _ in points]
+    k = bisect.bisect_left(xs, x)
+    if k == 0:
+        return points[0][1]
+    if k == len(xs):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
 
 
 def _cuda_spec(dev: torch.device) -> DeviceSpec:
@@ -197,7 +212,10 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
     if not is_kernel(node):
         return 0.0
     f = flops(node)
-    peak = spec.matmul_peak(_compute_dtype(node)) if flop_formula(node.target) else spec.peak_flops
+    if flop_formula(node.target):
+        peak = spec.matmul_rate(_compute_dtype(node), _smallest_side(node))
+    else:
+        peak = spec.peak_flops
     drawing = random_numbers(node) / spec.random_per_second
     if node.target is APPLY_DROPOUT_MASK:
         return _apply_dropout_mask_seconds(node, spec)
@@ -262,6 +280,19 @@ _TRANSCENDENTAL = frozenset(
         "sqrt",
     )
 )
+
+
+_MATMULS = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default))
+
+
+def _smallest_side(node: fx.Node) -> int | None:
+    """The smallest dimension of a matmul (``_MATMULS``): its two matrices' last two
+    dimensions; None for other matmul-class ops (convolution, attention)."""
+    if node.target not in _MATMULS:
+        return None
+    operands = [t for i in input_nodes(node) for t in tensors_of(meta_val(i)) if t.dim() >= 2]
+    sides = [hint(d) for t in operands[-2:] for d in t.shape[-2:]]
+    return min(sides) if sides else None
 
 
 def _transcendentals(node: fx.Node) -> int:

@@ -54,7 +54,8 @@ import torch
 from torch import nn
 
 from remat import memory
-from remat.costs import COMPILERS, COST_MODELS
+from remat.cache import open_cache
+from remat.costs import COMPILERS, COST_MODELS, calibration
 from remat.errors import InfeasibleBudget, user_error
 from remat.passes._torch_compat import compile_caches_off, dynamo_config
 from remat.solvers import format_bytes
@@ -62,6 +63,7 @@ from remat.solvers.solve import with_time_limit
 from remat.tools import examples
 from remat.tools.grads import GRAD_SEED, grad_error, gradients, reference_gradients
 from remat.tools.methods import Skip, model_for
+from remat.tools.models import floating_dtype
 from remat.tools.rows import Row
 
 __all__ = ["METHODS", "pareto_budgets", "run_bench"]
@@ -129,6 +131,7 @@ def run_bench(
     # Every configuration compiles the same forward code object; keep them all cached.
     limits = {"recompile_limit": 4 * len(configs) + 8, "accumulated_recompile_limit": 4096}
     with _measuring(dev, threads):
+        _calibrate_first(dev, kwargs)
         references = reference_gradients(model_spec, kwargs, compiler, methods, say)
         with dynamo_config.patch(**limits):
             _prepare_all(configs, model_spec, kwargs, dev, references, say)
@@ -196,6 +199,18 @@ def _measuring(dev: torch.device, threads: int | None) -> Iterator[None]:
         torch.compiler.reset()
         if threads is not None and dev.type == "cpu":
             torch.set_num_threads(old_threads)
+
+
+def _calibrate_first(dev: torch.device, kwargs: dict[str, Any]) -> None:
+    """The machine's figures (``costs.calibration``), measured before any configuration
+    runs, as a training process measures them at its first compile. Measured after the
+    other configurations' steps, in the allocator's state they left, the same model's
+    estimates came out 10% lower (docs/cost-model.md, "The estimate against the clock")."""
+    if not calibration.enabled():
+        return
+    cache = open_cache()
+    dtype = floating_dtype(kwargs.get("dtype", torch.float32))
+    calibration.calibrated(dev, {dtype}, None if cache is None else cache.figures)
 
 
 def _prepare_all(configs, spec, kwargs, dev, references, say: Progress, where: str = "") -> None:

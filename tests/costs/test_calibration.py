@@ -23,7 +23,9 @@ def figures():
 
 def test_every_figure_is_measured_and_positive(figures):
     assert set(figures["matmul"]) == {"float32", "bfloat16"}
-    assert all(rate > 0 for rate in figures["matmul"].values())
+    for rates in figures["matmul"].values():
+        sides = [n for n, _ in rates]
+        assert sides == sorted(sides) and all(rate > 0 for _, rate in rates)
     rates = ("pointwise", "read", "random", "mixed", "select", "cast", "transcendental")
     assert all(figures[name] > 0 for name in rates)
     assert 0 < figures["launch"] < 1e-3  # a tiny op on CPU: microseconds, not milliseconds
@@ -54,7 +56,7 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
     def measure(device, dtypes):
         measured.append(device)
         return {
-            "matmul": {"float32": 2e11},
+            "matmul": {"float32": [[64, 5e10], [512, 2e11]]},
             "pointwise": 1e10,
             "stream": [[1 << 20, 5e10], [1 << 28, 7e9]],
             "read": 3e10,
@@ -75,6 +77,8 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
     assert len(measured) == 1 and again.counts["calibration hit"] == 1
     assert first == second
     assert first.matmul_peak(torch.float32) == 2e11 and first.bandwidth == 3e10
+    assert first.matmul_rate(torch.float32, 64) == 5e10  # a thin matmul at its own rate
+    assert 5e10 < first.matmul_rate(torch.float32, 128) < 2e11
     assert first.stream_rate(1 << 30) == 7e9 and first.name.endswith("calibrated")
 
 
