@@ -348,6 +348,13 @@ SCRIPT_TABLES: dict[str, list] = {
         ("grad error", "grad error", significant),
         ("first step s", "first step s", fixed(1)),
     ],
+    "step_time": [
+        ("budget", "budget", plain),
+        ("op", "op", plain),
+        ("measured", "measured_s", seconds),
+        ("estimated", "estimated_s", seconds),
+        ("error", "error", signed_percent),
+    ],
     "step_with_graph_break": [
         ("fraction of eager", "fraction of eager", plain),
         ("budget", "budget", mib),
