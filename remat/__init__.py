@@ -13,6 +13,7 @@ from remat.errors import (
     InvalidOption,
     NothingCompiled,
     RecompileLimitHit,
+    RecurrentModules,
     RematError,
     SolverOverBudget,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Plan",
     "PlanReport",
     "RecompileLimitHit",
+    "RecurrentModules",
     "RematBackend",
     "RematError",
     "SolverOverBudget",

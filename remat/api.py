@@ -24,6 +24,7 @@ from remat.errors import (
     InvalidOption,
     NothingCompiled,
     RecompileLimitHit,
+    RecurrentModules,
     RematError,
 )
 from remat.passes._torch_compat import (
@@ -207,6 +208,7 @@ def _compiled_copy(
         f"{cls.__name__}.forward",
         model.forward,
         on_failure,
+        recurrent=_recurrent(model),
     )
 
     @functools.wraps(cls.forward)
@@ -242,11 +244,28 @@ def _compiled_copy(
     return optimized
 
 
+def _recurrent(model: nn.Module) -> list[str]:
+    """The ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` modules in ``model``'s tree, named as
+    ``named_modules`` names them, with their type."""
+    return [
+        f"{type(m).__name__} {name or '(the model)'}"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.RNNBase)
+    ]
+
+
 def _guarded(
-    compiled: Callable, rb: RematBackend, name: str, eager: Callable, on_failure: str
+    compiled: Callable,
+    rb: RematBackend,
+    name: str,
+    eager: Callable,
+    on_failure: str,
+    recurrent: Sequence[str] = (),
 ) -> Callable:
     """``compiled`` raising what the user must fix, never running eagerly unplanned but
-    where remat failed to compile and ``on_failure`` says so (``optimize``)."""
+    where remat failed to compile and ``on_failure`` says so (``optimize``). A training
+    call of a module holding ``recurrent`` modules is refused before it runs where dynamo
+    would run them eagerly (``RecurrentModules``)."""
     dynamo = dynamo_config
     fell_back = False
 
@@ -254,6 +273,8 @@ def _guarded(
         nonlocal fell_back
         if fell_back:
             return eager(*args, **kwargs)
+        if recurrent and not dynamo.allow_rnn and torch.is_grad_enabled():
+            raise RecurrentModules(name, list(recurrent))
         rb.steps.entering((args, kwargs))
         ran = rb.steps.forwards_run
         try:

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidPlan",
     "NothingCompiled",
     "RecompileLimitHit",
+    "RecurrentModules",
     "RematError",
     "SolverOverBudget",
     "user_error",
@@ -49,9 +50,27 @@ class NothingCompiled(RematError, RuntimeError):
         super().__init__(
             f"remat planned nothing for {model_name}: torch.compile captured no graph "
             "from it and ran it eagerly, outside remat's budget. TORCH_LOGS=graph_breaks "
-            "names the reason; nn.LSTM, nn.GRU and nn.RNN, for one, make dynamo skip the "
-            "whole forward unless torch._dynamo.config.allow_rnn = True (GRU then trains "
-            "under remat; LSTM fails in torch 2.13's own AOT autograd on CPU)."
+            "names the reason (a function calling an nn.LSTM, nn.GRU or nn.RNN, for one, "
+            "unless torch._dynamo.config.allow_rnn = True)."
+        )
+
+
+class RecurrentModules(RematError, RuntimeError):
+    """The module holds ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` modules, which dynamo runs
+    eagerly unless ``allow_rnn``: outside any plan. Refused at the first call, before
+    anything runs, on every torch: 2.14 and earlier skip the whole forward (which raised
+    ``NothingCompiled`` after it ran), 2.15 breaks the graph at the module's call and
+    compiles the rest, so the recurrent module runs as code outside remat's programs (an
+    LSTM's kernel scratch, which remat cannot count there, made such a step peak at 1.7x
+    its prediction)."""
+
+    def __init__(self, model_name: str, modules: list[str]) -> None:
+        super().__init__(
+            f"remat cannot plan {model_name}: it holds {', '.join(modules)}, which "
+            "torch.compile runs eagerly unless torch._dynamo.config.allow_rnn = True, "
+            "outside remat's budget. Set allow_rnn: a GRU then trains under remat; an "
+            "LSTM fails in torch's own AOT autograd on CPU (torch 2.11 to 2.15, "
+            "aot_eager too).",
         )
 
 

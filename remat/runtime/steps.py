@@ -111,11 +111,19 @@ class StepRunner:
         return graph
 
     def held_now(self, stored: bool = False) -> int:
-        """What the runs of the step in progress hold while a newly compiled graph runs;
-        with ``stored``, what they would hold had each stored everything."""
+        """What the step in progress holds while a newly compiled graph runs: its runs
+        (with ``stored``, what they would hold had each stored everything) and the code
+        outside them, as counted so far. That code includes what the call ran before its
+        first graph: a forward whose start runs eagerly (a graph break at a call dynamo
+        will not trace) compiles its first graph alone, where the step holds that code's
+        tensors beside it (counted nothing, the refusal before the first step named the
+        graph's minimum, 533,544 B, and a retry there was refused at the step's end,
+        naming 664,616 B)."""
+        outside = self._counting()
+        code = 0 if outside is None else outside.level
         if self.step is None:
-            return 0
-        return sum(
+            return code
+        return code + sum(
             held_bytes(
                 r.graph.problem,
                 r.graph.record.store_all if stored else r.graph.programs[r.program].plan,

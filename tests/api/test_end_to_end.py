@@ -255,16 +255,57 @@ class _GRUClassifier(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h[:, -1]), y)
 
 
+class _Untraced(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.lin(x).square().mean()
+
+
 def test_a_forward_dynamo_skips_is_an_error_not_an_eager_step():
-    """dynamo skips a whole forward that holds an nn.GRU (unless allow_rnn): the step would
-    run eagerly, outside the budget, and the report said "call the model once"."""
+    """dynamo captures no graph from a forward it skips: the step would run eagerly,
+    outside the budget, and the report said "call the model once"."""
+    optimized = remat.optimize(_Untraced(), budget=1.0)
+    with pytest.raises(remat.NothingCompiled, match="captured no graph"):
+        optimized(torch.randn(4, 8))
+    assert optimized.remat.compiles == 0
+    torch._dynamo.reset()
+
+
+def _traced_targets(model, *inputs) -> list[set[str]]:
+    """Per graph dynamo captures from ``model``'s forward, the names of what it calls."""
+    graphs = []
+
+    def record(gm, _example_inputs):
+        graphs.append({str(n.target).lower() for n in gm.graph.nodes if n.op.startswith("call")})
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=record)(*inputs)
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_a_recurrent_module_dynamo_runs_eagerly_is_refused_before_it_runs():
+    """Without allow_rnn dynamo leaves an nn.GRU out of its graphs: torch 2.14 and earlier
+    skip the whole forward, 2.15 breaks the graph at the GRU's call and compiles the rest
+    (seen: the GRU ran eagerly, counted as code outside remat's programs). Either way it
+    runs outside remat's plan, so the module is refused at its first training call, before
+    anything runs. With allow_rnn it is traced, and trains under remat at its predicted
+    peak."""
     torch.manual_seed(0)
     x, y = torch.randn(4, 6, 8), torch.randint(0, 4, (4,))
+    # what this torch does: the premise of the refusal (a GRU in no graph)
+    assert not any("gru" in t for g in _traced_targets(_GRUClassifier(), x, y) for t in g)
     optimized = remat.optimize(_GRUClassifier(), budget=0.9)
-    with pytest.raises(remat.NothingCompiled, match="allow_rnn"):
+    with pytest.raises(remat.RecurrentModules, match=r"GRU rnn.*allow_rnn"):
         optimized(x, y)
-    torch._dynamo.reset()
+    assert optimized.remat.compiles == 0 and optimized.remat.steps.forwards_run == 0
     with torch._dynamo.config.patch(allow_rnn=True):
+        assert any("gru" in t for g in _traced_targets(_GRUClassifier(), x, y) for t in g)
         model = _GRUClassifier()
         reference = copy.deepcopy(model)
         optimized = remat.optimize(model, budget=0.9)

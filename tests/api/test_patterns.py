@@ -209,8 +209,11 @@ def test_no_grad_calls_between_steps():
     assert optimized.remat.report().predicted_peak == before
 
 
-def test_lstm_is_refused_before_any_backward():
-    """dynamo skips an LSTM's forward: remat says so at the first call, naming the LSTM."""
+def test_lstm_is_refused_before_anything_runs():
+    """dynamo runs an LSTM eagerly (it skips the forward, or from torch 2.15 breaks the
+    graph at the LSTM): remat refuses it at the first call, before anything runs, naming
+    the LSTM. (Run eagerly beside remat's programs, its kernel's scratch, which remat cannot
+    count there, made the step peak at 56,320 B against 32,648 B predicted.)"""
 
     class Recurrent(nn.Module):
         def __init__(self) -> None:
@@ -221,8 +224,9 @@ def test_lstm_is_refused_before_any_backward():
             return self.rnn(x)[0].square().mean()
 
     optimized = remat.optimize(Recurrent(), budget=0.5)
-    with pytest.raises(remat.NothingCompiled, match="LSTM"):
+    with pytest.raises(remat.RecurrentModules, match="LSTM rnn"):
         optimized(torch.randn(2, 5, 8))
+    assert optimized.remat.steps.forwards_run == 0
 
 
 def test_a_model_remat_cannot_compile_runs_eagerly_with_one_warning(monkeypatch):

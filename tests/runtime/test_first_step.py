@@ -99,6 +99,46 @@ def test_with_the_loss_outside_a_low_budget_is_refused_when_the_step_ends(caplog
     assert "Graph rows: each graph's plan for the first step" in str(report)
 
 
+class _EagerStart(torch.nn.Module):
+    """A forward whose first layer dynamo does not trace: the frame breaks at that call,
+    which runs eagerly and keeps its tensors for the backward, and the rest of the frame
+    compiles as a graph that returns only the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 256)
+        self.c = torch.nn.Linear(256, 8)
+
+    @torch.compiler.disable
+    def start(self, x):
+        return torch.tanh(self.a(x))
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.start(x)))).square().mean()
+
+
+def test_the_code_before_the_first_graph_counts_in_the_refusal_before_anything_runs():
+    """The graph is the step's first and its frame's last, so a budget below its minimum
+    is refused before any of remat's programs runs; that minimum counts what the eager
+    call before it holds (counted nothing, it named 533,544 B, and a retry there was
+    refused at the step's end naming 664,616 B). A retry at the named minimum fits, at
+    its prediction."""
+    torch.manual_seed(0)
+    model, x = _EagerStart(), torch.randn(128, 64)
+    optimized = remat.optimize(model, budget=0.5)
+    with pytest.raises(remat.InfeasibleBudget) as refusal:
+        optimized(x)
+    assert optimized.remat.steps.forwards_run == 0
+    torch._dynamo.reset()
+    retry = remat.optimize(model, budget=refusal.value.minimum)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        retry(x).backward()
+    model.zero_grad(set_to_none=True)
+    measured = memory.peak(lambda: retry(x).backward()).peak_bytes
+    assert measured == retry.remat.report().predicted_peak <= refusal.value.minimum
+
+
 def test_a_device_budget_is_refused_where_there_is_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(remat.InvalidOption, match='"device".*no CUDA device.*"min"'):
