@@ -301,14 +301,14 @@ def _transcendentals(node: fx.Node) -> int:
     target = node.target
     if not isinstance(target, OpOverload) or target.__name__.split(".")[0] not in _TRANSCENDENTAL:
         return 0
-    return sum(t.numel() for t in tensors_of(meta_val(node)))
+    return sum(hint(t.numel()) for t in tensors_of(meta_val(node)))
 
 
 def _apply_dropout_mask_seconds(node: fx.Node, spec: DeviceSpec) -> float:
     """remat's dropout replay runs three kernels (``passes/rng.apply_dropout_mask``): the
     bool mask cast into the output (two dtypes), then ``* x`` and ``* scale`` in place."""
     out = output_bytes(node)
-    mask = sum(t.numel() for t in tensors_of(meta_val(node)))  # one byte per element
+    mask = sum(hint(t.numel()) for t in tensors_of(meta_val(node)))  # one byte per element
     cast = (mask + out) / min(spec.stream_rate(out), spec.cast_rate)
     multiplies = 5 * out / spec.stream_rate(out)  # read out and x, write; read, write
     return cast + multiplies + 3 * spec.launch_overhead
