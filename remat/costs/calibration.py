@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .device import DeviceSpec
+from .measured import concrete_device, timed_runs
 
 __all__ = ["calibrated", "enabled", "machine_key", "measure"]
 
@@ -68,9 +69,9 @@ def calibrated(
     """``device``'s roofline with measured figures for ``dtypes``' matmuls; ``stored(key,
     build)`` reads figures kept under ``key`` or builds and keeps them (the plan cache),
     else they are measured once per process."""
-    device = _concrete(device)
-    key = f"{machine_key(device)}-{'-'.join(sorted(_name(d) for d in set(dtypes)))}"
-    names = tuple(sorted(_name(d) for d in set(dtypes)))
+    device = concrete_device(device)
+    names = tuple(sorted({_name(d) for d in dtypes}))
+    key = f"{machine_key(device)}-{'-'.join(names)}"
     build = functools.partial(_figures, str(device), names)
     figures = build() if stored is None else stored(key, build)
     return _spec(device, figures)
@@ -87,7 +88,6 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     a value back from memory, bytes/s of pointwise kernels over two dtypes, elements/s of
     a transcendental function, seconds per launch, random numbers per second (CPU)."""
     start = time.perf_counter()
-    sync = _synchronizer(device)
     # glibc maps a fresh block (page faults on every touch) for any allocation above a
     # threshold that rises to the largest block freed, up to 32 MiB: a step's frees raise
     # it, so the allocator is measured as a step leaves it, not as a new process has it
@@ -95,14 +95,14 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
         torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     figures = {
-        "matmul": {_name(d): _matmul_rates(device, d, sync) for d in dtypes},
-        "pointwise": _pointwise_rate(device, sync),
-        "stream": [[n, _stream_rate(device, n, pool, sync)] for n in _sizes(device)],
-        "read": _read_rate(pool, sync),
-        **_two_dtype_rates(device, pool, sync),
-        "transcendental": _transcendental_rate(device, sync),
-        "launch": _launch_seconds(device, sync),
-        "random": _random_rate(device, sync) if device.type == "cpu" else None,
+        "matmul": {_name(d): _matmul_rates(device, d) for d in dtypes},
+        "pointwise": _pointwise_rate(device),
+        "stream": [[n, _stream_rate(n, pool)] for n in _sizes(device)],
+        "read": _read_rate(pool),
+        **_two_dtype_rates(pool),
+        "transcendental": _transcendental_rate(device),
+        "launch": _launch_seconds(device),
+        "random": _random_rate(device) if device.type == "cpu" else None,
     }
     figures["seconds"] = time.perf_counter() - start
     return figures
@@ -136,21 +136,14 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
 # ----------------------------------------------------------------------------- timing
 
 
-def _fastest_seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
-    """The fastest of ``RUNS`` timed runs: a roofline is a peak, and the fastest run is
-    the one a busy machine or an allocator not yet in its steady state slowed least."""
-    run()
-    sync()
-    times = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def _fastest_seconds(run: Callable[[], object], device: torch.device) -> float:
+    """The fastest of ``RUNS`` timed runs after one untimed: a roofline is a peak, and the
+    fastest run is the one a busy machine or an allocator not yet in its steady state
+    slowed least."""
+    return min(timed_runs(run, device, RUNS, warmup=1))
 
 
-def _matmul_rates(device: torch.device, dtype: torch.dtype, sync) -> list[list[float]]:
+def _matmul_rates(device: torch.device, dtype: torch.dtype) -> list[list[float]]:
     """[side, FLOP/s] of matmuls in ``dtype`` whose inner dimension is ``side`` and whose
     others are the largest side (an attention head's (512 x 64) @ (64 x 512)), ascending."""
     sides = MATMUL_SIDES.get(device.type, MATMUL_SIDES["cuda"])
@@ -162,7 +155,7 @@ def _matmul_rates(device: torch.device, dtype: torch.dtype, sync) -> list[list[f
     for k in sides:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, m, device=device).to(dtype)
-        rates.append([k, 2 * m * m * k / _fastest_seconds(lambda a=a, b=b: a @ b, sync)])
+        rates.append([k, 2 * m * m * k / _fastest_seconds(lambda a=a, b=b: a @ b, device)])
     return rates
 
 
@@ -170,61 +163,61 @@ def _peaks(matmul: dict[str, list]) -> dict[str, float]:
     return {dtype: max(rate for _, rate in rates) for dtype, rates in matmul.items()}
 
 
-def _pointwise_rate(device: torch.device, sync) -> float:
+def _pointwise_rate(device: torch.device) -> float:
     """Flops per second of a pointwise kernel on a tensor that stays in cache (one flop
     per element)."""
     x = torch.ones(2**16, device=device)
-    return x.numel() / _fastest_seconds(lambda: x.mul_(1.0), sync)
+    return x.numel() / _fastest_seconds(lambda: x.mul_(1.0), device)
 
 
-def _stream_rate(device: torch.device, nbytes: int, pool: torch.Tensor, sync) -> float:
+def _stream_rate(nbytes: int, pool: torch.Tensor) -> float:
     """Bytes moved per second by ``x + 1`` into a fresh output of ``nbytes``, each run's
     ``x`` another slice of ``pool``: read cold, as a step reads what an earlier kernel
     wrote long before (a warm input streams up to 2x faster)."""
     count = max(1, pool.numel() * 4 // nbytes)
     inputs = pool[: count * (nbytes // 4)].view(count, -1) if count > 1 else pool.view(1, -1)
     turn = iter(range(1 << 62))
-    return 2 * nbytes / _fastest_seconds(lambda: inputs[next(turn) % count] + 1, sync)
+    return 2 * nbytes / _fastest_seconds(lambda: inputs[next(turn) % count] + 1, pool.device)
 
 
-def _read_rate(pool: torch.Tensor, sync) -> float:
+def _read_rate(pool: torch.Tensor) -> float:
     """Bytes per second reading a value that is no longer in any cache: what a saved
     value costs the backward that reads it back."""
-    return pool.numel() * 4 / _fastest_seconds(pool.sum, sync)
+    return pool.numel() * 4 / _fastest_seconds(pool.sum, pool.device)
 
 
-def _two_dtype_rates(device: torch.device, pool: torch.Tensor, sync) -> dict[str, float]:
+def _two_dtype_rates(pool: torch.Tensor) -> dict[str, float]:
     """Bytes moved per second by pointwise kernels over a float and a bool mask: the
     arithmetic (``x * mask``, as dropout's backward runs), a selection
     (``masked_fill``) and a cast (``mask.to(float)``, as dropout's replay runs). CPU
     kernels convert element by element there, 3-10x slower than ``x * y``."""
     n = MIXED_ELEMENTS
-    mask = torch.ones(n, dtype=torch.bool, device=device)
-    x = pool[:n]
+    mask = torch.ones(n, dtype=torch.bool, device=pool.device)
+    x, device = pool[:n], pool.device
     return {
-        "mixed": (4 + 1 + 4) * n / _fastest_seconds(lambda: x * mask, sync),
-        "select": (4 + 1 + 4) * n / _fastest_seconds(lambda: x.masked_fill(mask, 0.0), sync),
-        "cast": (1 + 4) * n / _fastest_seconds(lambda: mask.to(torch.float32), sync),
+        "mixed": (4 + 1 + 4) * n / _fastest_seconds(lambda: x * mask, device),
+        "select": (4 + 1 + 4) * n / _fastest_seconds(lambda: x.masked_fill(mask, 0.0), device),
+        "cast": (1 + 4) * n / _fastest_seconds(lambda: mask.to(torch.float32), device),
     }
 
 
-def _transcendental_rate(device: torch.device, sync) -> float:
+def _transcendental_rate(device: torch.device) -> float:
     """Elements per second of ``exp`` on a tensor that stays in cache: on CPU softmax,
     gelu and their kernels run at this rate, not at their bytes' (docs/cost-model.md)."""
     x = torch.ones(2**16, device=device)
-    return x.numel() / _fastest_seconds(x.exp, sync)
+    return x.numel() / _fastest_seconds(x.exp, device)
 
 
-def _launch_seconds(device: torch.device, sync) -> float:
+def _launch_seconds(device: torch.device) -> float:
     x = torch.zeros(1, device=device)
-    return _fastest_seconds(lambda: [x + 1 for _ in range(100)], sync) / 100
+    return _fastest_seconds(lambda: [x + 1 for _ in range(100)], device) / 100
 
 
-def _random_rate(device: torch.device, sync) -> float:
+def _random_rate(device: torch.device) -> float:
     x = torch.empty(2**20, device=device)
     generator = torch.Generator(device).manual_seed(0)  # the run's random stream untouched
     return x.numel() / _fastest_seconds(
-        lambda: x.bernoulli_(DROPOUT_KEEP, generator=generator), sync
+        lambda: x.bernoulli_(DROPOUT_KEEP, generator=generator), device
     )
 
 
@@ -233,18 +226,6 @@ def _random_rate(device: torch.device, sync) -> float:
 
 def _sizes(device: torch.device) -> tuple[int, ...]:
     return CPU_SIZES if device.type == "cpu" else CUDA_SIZES
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return functools.partial(torch.cuda.synchronize, device)
-    return lambda: None
-
-
-def _concrete(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _name(dtype: torch.dtype) -> str:

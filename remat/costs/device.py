@@ -88,7 +88,7 @@ class DeviceSpec:
     bandwidth: float
     launch_overhead: float
     matmul_peaks: tuple[tuple[str, float], ...] = ()
-    # measured (dtype, ((side, FLOP/s), ...)) of square matmuls (``calibration``)
+    # measured (dtype, ((inner side, FLOP/s), ...)) of matmuls (``calibration``)
     matmul_sides: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     random_per_second: float = math.inf  # random numbers drawn per second
     # measured (output bytes, bytes moved per second) of a pointwise kernel writing a fresh
@@ -211,14 +211,14 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
         return 0.0
     if not is_kernel(node):
         return 0.0
+    if node.target is APPLY_DROPOUT_MASK:
+        return _apply_dropout_mask_seconds(node, spec)
     f = flops(node)
     if flop_formula(node.target):
         peak = spec.matmul_rate(_compute_dtype(node), _smallest_side(node))
     else:
         peak = spec.peak_flops
     drawing = random_numbers(node) / spec.random_per_second
-    if node.target is APPLY_DROPOUT_MASK:
-        return _apply_dropout_mask_seconds(node, spec)
     moved = bytes_moved(node)
     rate = spec.stream_rate(output_bytes(node))
     if _mixes_dtypes(node):

@@ -153,7 +153,12 @@ def _real_args(
     return valid(args, kwargs) if valid is not None else (args, kwargs)
 
 
-def _time_op(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int) -> float:
+def timed_runs(
+    fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int
+) -> list[float]:
+    """Seconds of each of ``repeat`` runs of ``fn`` on ``device`` after ``warmup`` untimed
+    ones, synchronised on CUDA."""
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -167,7 +172,19 @@ def _time_op(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: i
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _time_op(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int) -> float:
+    return statistics.median(timed_runs(fn, device, repeat, warmup))
+
+
+def concrete_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index: a bare "cuda" is the current CUDA device."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def profile_seconds(
@@ -192,9 +209,7 @@ def profile_seconds(
     logged. The global RNG state is restored afterwards, so profiling random ops does not
     change the training run's random numbers.
     """
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = concrete_device(device)
     spec = DeviceSpec.for_device(dev) if spec is None else spec  # for the fallbacks
     result = ProfileResult()
     # A graph traced for this device type keeps its tensors where they were (CPU seed or
