@@ -335,7 +335,7 @@ class Planner:
             binding=tuple(sorted((str(s), v) for s, v in binding.items())),
             reserve=reserve,
             yours=yours,
-            figures="calibrated" if calibration.enabled() else "datasheet",
+            figures=calibration.figures_source(),
         )
         self.graphs.append(record)
         return record
@@ -431,8 +431,7 @@ class Planner:
         if self.cache is None:
             return measure()
         device = _device_of(joint)
-        figures = "calibrated" if calibration.enabled() else "datasheet"
-        model = f"{self.cost_model}/{self.compiler}/{figures}"
+        model = f"{self.cost_model}/{self.compiler}/{calibration.figures_source()}"
         if binding:
             model += f" at {describe(binding)}"
         args = (joint, num_fwd_outputs, model, device, name, measure)

@@ -24,7 +24,7 @@ import torch
 from .device import DeviceSpec
 from .measured import concrete_device, timed_runs
 
-__all__ = ["calibrated", "enabled", "machine_key", "measure"]
+__all__ = ["calibrated", "enabled", "figures_source", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
 VERSION = 3
@@ -45,6 +45,11 @@ def enabled() -> bool:
     """Off with ``REMAT_CALIBRATE=0``: the datasheet's figures, the same plans on every
     machine of a kind (docs/cost-model.md, "Calibration")."""
     return os.environ.get("REMAT_CALIBRATE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def figures_source() -> str:
+    """Whose figures an estimate made now uses: "calibrated" or "datasheet"."""
+    return "calibrated" if enabled() else "datasheet"
 
 
 def machine_key(device: torch.device) -> str:

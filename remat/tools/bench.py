@@ -203,9 +203,8 @@ def _measuring(dev: torch.device, threads: int | None) -> Iterator[None]:
 
 def _calibrate_first(dev: torch.device, kwargs: dict[str, Any]) -> None:
     """The machine's figures (``costs.calibration``), measured before any configuration
-    runs, as a training process measures them at its first compile. Measured after the
-    other configurations' steps, in the allocator's state they left, the same model's
-    estimates came out 10% lower (docs/cost-model.md, "The estimate against the clock")."""
+    runs, as a training process measures them at its first compile, not in the allocator's
+    state other configurations' steps left (docs/cost-model.md, "Calibration")."""
     if not calibration.enabled():
         return
     cache = open_cache()
@@ -223,9 +222,8 @@ def _time_rounds(live: list[_Config], repeat: int, dev: torch.device, say: Progr
     """``repeat`` rounds of one timed step of every configuration (``_round_order``), so
     that drift of the machine hits all alike; each step's seconds go to its row's
     ``times``. Each timed step follows an untimed one of the same configuration, as a
-    training step follows a step of the same model: right after another configuration's
-    step it ran up to 1.6x slower (caches, and the allocator's free blocks, left by
-    another model: docs/cost-model.md, "Calibration")."""
+    training step follows a step of the same model, not another model's caches and free
+    blocks (docs/cost-model.md, "The estimate against the clock")."""
     for r in range(repeat):
         say(f"timing round {r + 1}/{repeat} ({len(live)} configurations)...")
         for cfg in _round_order(live, r):
