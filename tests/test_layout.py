@@ -251,3 +251,19 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     graph = _import_graph([*(m for m in known if m[0] != "remat.planner"), patched])
     assert "remat.planner -> remat.runtime.joint" in _forbidden(graph)
     assert _cycles(graph), "the planner importing the runtime closes a cycle"
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """``pyproject.toml`` lists packages by hand (``passes`` and ``solvers`` live outside
+    ``remat/``), and an editable install finds a folder missing from that list anyway: only a
+    wheel, what users install, lacks it. So each folder holding an ``__init__.py`` is listed."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = set(setuptools["packages"])
+    found = {
+        ".".join((package, *init.parent.relative_to(folder).parts))
+        for package, folder in PACKAGES.items()
+        for init in folder.rglob("__init__.py")
+    }
+    assert found <= declared, f"add to pyproject's packages: {sorted(found - declared)}"
