@@ -89,12 +89,10 @@ def is_root_tangent(node: fx.Node) -> bool:
 def user_recomputes(extracted: Extracted) -> frozenset[int]:
     """The values the user's own checkpointing recomputes (``torch.utils.checkpoint``, a
     selective-checkpointing policy): traced, their nodes carry a recompute tag. A region's
-    outputs, which forward code outside it reads (a later region, an untagged op), are
+    outputs, which the forward pass reads outside it (a later region, an untagged op), are
     kept as eager autograd keeps them (torch's partitioner saves them too)."""
-    nodes, problem = extracted.fx_nodes, extracted.problem
-    forward = {n for n, node in zip(nodes, problem.nodes, strict=True) if node.phase == "fwd"}
     return frozenset(
-        i for i, n in enumerate(nodes) if _recomputed(n) and not _region_output(n, forward)
+        i for i, n in enumerate(extracted.fx_nodes) if _recomputed(n) and not _region_output(n)
     )
 
 
@@ -102,13 +100,22 @@ def _recomputed(node: fx.Node) -> bool:
     return node.meta.get("recompute") in RECOMPUTE
 
 
-def _region_output(node: fx.Node, forward: set[fx.Node]) -> bool:
-    """Whether forward code outside ``node``'s checkpointed region reads it."""
+def _region_output(node: fx.Node) -> bool:
+    """Whether the forward pass reads ``node`` outside its checkpointed region. A reader
+    the backward pass traced does not count, though it may read no tangent (gelu's
+    backward squares its input): eager runs it after the region is recomputed."""
     region = node.meta.get("ac_graph_id")
     return any(
-        u in forward and (not _recomputed(u) or u.meta.get("ac_graph_id") != region)
+        not traced_in_backward(u) and (not _recomputed(u) or u.meta.get("ac_graph_id") != region)
         for u in node.users
     )
+
+
+def traced_in_backward(node: fx.Node) -> bool:
+    """Whether AOT autograd traced ``node`` in the backward pass (its ``partitioner_tag``,
+    torch 2.11 to 2.15), where a node's phase (``"fwd"``: it reads no tangent) cannot
+    tell."""
+    return node.meta.get("partitioner_tag") in ("is_backward", "must_be_in_backward")
 
 
 def is_resident(node: fx.Node) -> bool:
