@@ -421,6 +421,14 @@ SCRIPT_TABLES: dict[str, list] = {
         ("predicted", "predicted", _bytes_exact),
         ("budget bytes", "budget bytes", _bytes_exact),
     ],
+    "fsdp2_first_step": [
+        ("budget", "budget", plain),
+        ("rank 0", "rank 0 peak", _bytes_exact),
+        ("rank 1", "rank 1 peak", _bytes_exact),
+        ("predicted", "predicted", _bytes_exact),
+        ("budget bytes", "budget bytes", _bytes_exact),
+        ("held per block", "held per block", _bytes_exact),
+    ],
 }
 
 

@@ -38,6 +38,7 @@ def needed() -> Iterator[None]:
 with needed():
     from torch._dynamo import config as dynamo_config
     from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
+    from torch._dynamo.utils import orig_code_map
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
     from torch._guards import CompileContext, CompileId
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -71,6 +72,7 @@ __all__ = [
     "custom_partitioner_base",
     "dispatch_modes_off",
     "dynamo_config",
+    "dynamo_compiled_code",
     "fsdp_resized_tensors",
     "has_fsdp",
     "inductor",
@@ -275,6 +277,12 @@ def compile_caches_off(activation_memory_budget: float | None = None) -> Iterato
 
 
 # ----------------------------------------------------------------------------- autograd
+
+
+def dynamo_compiled_code(code) -> bool:
+    """Whether ``code`` is bytecode dynamo made of a frame it compiled (a frame running it
+    calls graphs, the code at its graph breaks, and functions resuming after them)."""
+    return code in orig_code_map
 
 
 def backward_holds_tangents() -> bool:

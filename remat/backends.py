@@ -4,8 +4,11 @@ under the eager compiler, run step by step (``remat.runtime``)."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -18,6 +21,7 @@ from remat.passes._torch_compat import (
     boxed,
     compile_caches_off,
     custom_partitioner_base,
+    dynamo_compiled_code,
     inductor,
 )
 from remat.passes.sizes import describe
@@ -121,6 +125,7 @@ class RematBackend:
         (effect tokens, saved-tensors hooks), and they must be read as they will run."""
         planned: list[CompiledGraph] = []  # the graph of this compile, if it needs gradients
         alone = self.steps.starting() and _ends_its_frame(gm)
+        unseen = bool(_frames_resuming_eagerly())
         log.info("remat: tracing the backward of a %d-node forward...", len(gm.graph.nodes))
         tracing = time.perf_counter()
 
@@ -133,7 +138,7 @@ class RematBackend:
             compiled = self.planner.plan(
                 joint, num_fwd_outputs, leaves=leaves, held=self.steps.held_now(), seen=seen,
                 held_stored=self.steps.held_now(stored=True),
-                stored_peak=self.steps.stored_peak(), alone=alone,
+                stored_peak=self.steps.stored_peak(), alone=alone, unseen=unseen,
             )  # fmt: skip
             self.steps.budget = self.planner.budget  # "device" is bytes once planned
             add_marker_slot(compiled.forward, compiled.backward, num_fwd_outputs)
@@ -161,6 +166,36 @@ def _ends_its_frame(gm: torch.fx.GraphModule) -> bool:
     which more of the frame runs, in graphs of its own)."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     return reason is not None and not reason.graph_break
+
+
+def _frames_resuming_eagerly() -> list[str]:
+    """The model's frames (code that is neither torch's nor remat's) paused between a call
+    of a module or function ``remat.optimize`` returned and the frame dynamo compiles now,
+    running their own code, not bytecode dynamo compiled: each runs on eagerly when the
+    compiled frame returns, code no graph of the step holds (FSDP2's root module, which
+    dynamo skips, between its blocks). A frame dynamo compiled and broke at a call (its
+    rest resumes in graphs of its own) is not one. Empty where no such call is on the
+    stack (the backend handed to ``torch.compile`` directly)."""
+    frame = sys._getframe(1)
+    while frame is not None and _is_file(frame, _REMAT):  # the backend's own frames
+        frame = frame.f_back
+    found = []
+    while frame is not None:
+        if frame.f_code.co_filename == _API:
+            return found  # the optimized call: the frames between are the model's
+        if not _is_file(frame, _TORCH) and not dynamo_compiled_code(frame.f_code):
+            found.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return []
+
+
+_TORCH = str(Path(torch.__file__).parent) + os.sep
+_REMAT = str(Path(__file__).parent) + os.sep
+_API = str(Path(__file__).with_name("api.py"))
+
+
+def _is_file(frame, folder: str) -> bool:
+    return frame.f_code.co_filename.startswith(folder)
 
 
 def _concrete(value) -> tuple[int | None, ...] | None:

@@ -10,6 +10,13 @@ saved is alive), as the step's own plan later counts the measured code outside
 (``solvers.step.Outside``). Room at that one moment, not through the whole step: the
 forward's peak and the backward's are the graph's own.
 
+Where the code after the graph is not a loss on its outputs but code nothing has seen yet
+(a caller's frame that runs on eagerly when the graph returns: FSDP2's root module, whose
+head and loss follow its blocks' graphs), no estimate of it holds: the first step's plan
+then keeps as much room there as a plan within the graph's share can (``widest_room``),
+holding the fewest bytes it can into that code, at the cost of recomputing more in the
+first step only.
+
 Also here: whether a graph is the whole step (``only_a_loss``, with ``Planner``'s
 ``alone``), and a graph's refusal in the step's terms (``with_the_rest``).
 """
@@ -20,6 +27,7 @@ import dataclasses
 
 from remat.passes.extract import Extracted, is_root_tangent, is_tangent
 from remat.solvers import InfeasibleBudget, Plan, Problem, evaluate, format_bytes
+from remat.solvers.heuristics import least_held
 from remat.solvers.step import Composed, Outside, Step, compose, joint_saved, split, split_orders
 
 # What a loss over an output peaks at between the graph's forward and its backward, in
@@ -44,6 +52,20 @@ def with_room(problem: Problem, reserve: int) -> Composed:
     between its forward and its backward; its plans are ``problem``'s (``own_plan``)."""
     outside = Outside(level=(0, 0), peak=(0, reserve, 0))
     return compose(Step((problem,), (0,), outside=outside), name=problem.name)
+
+
+def widest_room(problem: Problem, total: int, reserve: int) -> int:
+    """The room a first-step plan of ``problem`` keeps between its forward and its backward
+    for code after it that nothing has seen: as much as a plan peaking within ``total``
+    bytes can keep, ``total`` less the fewest bytes such a plan holds there
+    (``solvers.heuristics.least_held``); never less than ``reserve``."""
+    least = least_held(problem, total)
+    if least is None:
+        return reserve
+    probe = total + 1  # above every peak within ``total``: the room's moment is the peak
+    room = with_room(problem, probe)
+    held = evaluate(room.problem, in_room(room, least.saved), solver=least.solver).peak - probe
+    return max(reserve, total - held)
 
 
 def in_room(composed: Composed, saved: frozenset[int]) -> frozenset[int]:

@@ -44,6 +44,7 @@ from remat.first_step import (
     only_a_loss,
     outside_reserve,
     own_plan,
+    widest_room,
     with_room,
     with_the_rest,
 )
@@ -104,6 +105,9 @@ class GraphPlan:
     binding: tuple[tuple[str, int], ...] = ()
     # bytes kept free of its first-step plan for the code after it (``first_step.outside_reserve``)
     reserve: int = 0
+    # the room its first-step plan kept instead, for code after it that was not seen
+    # (``first_step.widest_room``); None where that room is ``reserve``
+    room: int | None = None
     # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
     yours: Plan | None = None
     # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
@@ -178,20 +182,22 @@ class Planner:
         held_stored: int = 0,
         stored_peak: int = 0,
         alone: bool = False,
+        unseen: bool = False,
     ) -> CompiledGraph:
         """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
         rewrite it into programs.
 
         ``leaves``: (identity, bytes) of its inputs autograd accumulates a gradient into
-        (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes
-        the runs before it in the step hold while it runs, which an absolute budget
-        leaves it less of; ``held_stored``: what they would hold had each stored
-        everything, and ``stored_peak``: the highest store-all peak among them, which a
-        fraction is of too (the step's store-all peak is at least each). ``alone``: the
-        first graph of its step, ending where its frame returns (no graph break after it).
-        A graph with symbolic sizes is planned at the sizes it was traced at, or larger
-        ones an earlier trace of its code ran at (``seen``, per input of the joint graph:
-        ``Sizes.hints``); ``replan`` plans it again at larger ones.
+        (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes the
+        runs before it in the step hold while it runs, which an absolute budget leaves it
+        less of; ``held_stored``: what they would hold had each stored everything, and
+        ``stored_peak``: the highest store-all peak among them, which a fraction is of too (the
+        step's store-all peak is at least each). ``alone``: the first graph of its step, ending
+        where its frame returns (no graph break after it). ``unseen``: code nothing has seen runs
+        after it in the step (a caller's frame resuming eagerly), so its first-step plan keeps it
+        the widest room it can (``first_step.widest_room``). A graph with symbolic sizes is planned
+        at the sizes it was traced at, or larger ones an earlier trace of its code ran at (``seen``,
+        per input of the joint graph: ``Sizes.hints``); ``replan`` plans it again at larger ones.
         """
         start = time.perf_counter()
         self.budget = on_device(self.budget, _device_of(joint))  # "device": bytes from now on
@@ -215,7 +221,7 @@ class Planner:
             prepared = time.perf_counter()
             record = self._plan_at(
                 joint, num_fwd_outputs, name, binding, held, leaves, compile_id,
-                held_stored=held_stored, stored_peak=stored_peak, alone=alone,
+                held_stored=held_stored, stored_peak=stored_peak, alone=alone, unseen=unseen,
             )  # fmt: skip
             solved = time.perf_counter()
             eager = self.compiler == "eager"
@@ -250,6 +256,7 @@ class Planner:
             record = self._plan_at(
                 compiled.joint, compiled.num_fwd_outputs, r.name, binding, held, r.leaves,
                 r.compile_id, r.plan, grown, held_stored=held_stored, stored_peak=stored_peak,
+                unseen=r.room is not None,
             )  # fmt: skip
         self._log(record, binding)
         return record
@@ -269,11 +276,12 @@ class Planner:
         held_stored: int = 0,
         stored_peak: int = 0,
         alone: bool = False,
+        unseen: bool = False,
     ) -> GraphPlan:
         """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
         measured): ``kept`` (an earlier binding's plan) where it still fits, else the
-        solver's. ``held``, ``held_stored``, ``stored_peak``, ``alone``: as ``plan`` takes
-        them."""
+        solver's. ``held``, ``held_stored``, ``stored_peak``, ``alone``, ``unseen``: as
+        ``plan`` takes them."""
         start = time.perf_counter()
         if extracted is None:
             with reading_at(binding):
@@ -287,6 +295,7 @@ class Planner:
         agree = not binding
         stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
         limit = self._graph_limit(problem, stored, held, reserve, agree)
+        room = widest_room(problem, limit + reserve, reserve) if unseen else None  # same share
         plan = still_fitting(problem, kept, limit)
         if plan is None:
             log.info(
@@ -315,9 +324,9 @@ class Planner:
                 agree,
                 whole,
                 reference,
-                reserve,
+                reserve if room is None else room,
             )
-            if self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
+            if room is None and self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
             if plan.peak <= limit + reserve:
                 remember(key, limit, plan)
@@ -334,6 +343,7 @@ class Planner:
             leaves=leaves,
             binding=tuple(sorted((str(s), v) for s, v in binding.items())),
             reserve=reserve,
+            room=room,
             yours=yours,
             figures=calibration.figures_source(),
         )

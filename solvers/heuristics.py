@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .errors import InfeasibleBudget, SolverOverBudget
 from .graph import reachable
-from .plan import Plan, evaluate
+from .plan import Plan, evaluate, held_bytes
 from .problem import Problem, without_free_views
 from .units import format_bytes
 
@@ -64,6 +64,19 @@ def recompute_all(problem: Problem, limit: int | None = None) -> Plan:
     """Save only what may not be recomputed. Often *not* the smallest peak: the
     backward then rebuilds long chains at once."""
     return _within(evaluate(problem, (), solver="recompute-all", limit=limit), problem)
+
+
+def least_held(problem: Problem, limit: int) -> Plan | None:
+    """Of the greedy's candidate plans (``greedy``) and recompute-all, the one that holds
+    the fewest bytes past the forward (``held_bytes``: its saved values and outputs) with a
+    peak within ``limit``, the cheapest of those; None where none fits. What a graph can
+    leave to code after it that nothing has measured yet."""
+    candidates = [*_drop_saves(problem), *checkpoint_sweep(problem)]
+    if len(problem) <= GROWN_MAX_NODES:
+        candidates += _drop_saves(problem, grow=True)
+    candidates.append(evaluate(problem, (), solver="recompute-all"))
+    fitting = [p for p in candidates if p.peak <= limit]
+    return min(fitting, key=lambda p: (held_bytes(problem, p), p.cost), default=None)
 
 
 def greedy(problem: Problem, limit: int | None = None) -> Plan:

@@ -59,15 +59,14 @@ def plan_step(
     release: bool = True,
     grown: StepPlan | None = None,
 ) -> StepPlan:
-    """The joint plan of the recorded ``step`` under ``budget``, its limit resolved once
-    against the composed problem's store-all peak; with ``release``, counting the outputs
-    its caller dropped before the backwards as freed there (``Step.released``). A step of
-    one run whose compile-time plan already fits keeps it, unless that plan left room for
-    code outside (``first_step.outside_reserve``): now measured; so does a step recorded because
+    """The joint plan of the recorded ``step`` under ``budget``, its limit resolved once against the
+    composed problem's store-all peak; with ``release``, counting the outputs its caller dropped
+    before the backwards as freed there (``Step.released``). A step of one run whose compile-time
+    plan already fits keeps it, unless that plan left room for code outside
+    (``first_step.outside_reserve``, ``widest_room``): now measured; so does a step recorded because
     its sizes grew past ``grown`` (the joint plan of the same runs at smaller sizes), with
-    ``grown``'s programs where they still fit, else its runs' own: sizes that grow cost a
-    solve only where neither fits. ``InfeasibleBudget`` in the step's terms where nothing
-    fits."""
+    ``grown``'s programs where they still fit, else its runs' own: sizes that grow cost a solve only
+    where neither fits. ``InfeasibleBudget`` in the step's terms where nothing fits."""
     runs = step.runs
     composed, released = _composed(step, release)
     names = ", ".join(r.graph.name for r in runs)
@@ -85,7 +84,7 @@ def plan_step(
     if kept is not None:
         plan, programs = kept
         log.info("remat: step (%s) keeps its plan at larger sizes: %s", names, plan)
-    elif len(runs) == 1 and first.peak <= limit and not runs[0].graph.record.reserve:
+    elif len(runs) == 1 and first.peak <= limit and not _left_room(runs[0].graph.record):
         compiled = runs[0].graph.programs[runs[0].program].plan
         plan = _kept(first, compiled, limit)
         programs = (runs[0].program,)
@@ -109,6 +108,11 @@ def plan_step(
     return StepPlan(
         signature, programs, composed, plan, first.peak, limit, store_all_peak, bindings
     )
+
+
+def _left_room(record) -> bool:
+    """Whether a graph's compile-time plan kept room for code outside it."""
+    return bool(record.reserve) or record.room is not None
 
 
 def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:

@@ -10,6 +10,7 @@ import faulthandler
 import json
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import torch
@@ -176,7 +177,9 @@ def ddp_twice(rank: int, world: int) -> dict:
     return {"auto": first, "rank_dependent": second, "in_use": ddp_in_use(rank, world)}
 
 
-def fsdp2(rank: int, world: int) -> dict:
+def _sharded():
+    """The tiny GPT (the same weights on every rank and every call), ``fully_shard`` per
+    block and at the root, and an unsharded copy of it."""
     from torch.distributed.fsdp import fully_shard
 
     model, _ = examples.load("gpt", batch=BATCH, **SIZES)
@@ -184,13 +187,68 @@ def fsdp2(rank: int, world: int) -> dict:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    return model, reference
+
+
+def _full_grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.full_tensor()
+
+
+def fsdp2(rank: int, world: int) -> dict:
+    model, reference = _sharded()
     optimized = remat.optimize(model, budget=0.9)
-    grad = lambda p: p.grad.full_tensor()  # noqa: E731
-    result = _train(model, optimized, reference, rank, world, local_grad=grad)
+    result = _train(model, optimized, reference, rank, world, local_grad=_full_grad)
+    torch._dynamo.reset()
+    fraction = _first_step(rank, world, 0.9)
+    torch._dynamo.reset()
+    # the same budget in bytes: the first step's plans get what the step's own limit leaves
+    # them, where a fraction is of the store-all peak seen so far (the graph's, smaller)
+    in_bytes = _first_step(rank, world, fraction["budget"])
     return {
         **result,
         "gathers": _all_gather_bytes(model, world),
         "refused": _refused_then_fits(model, rank),
+        "first": {"fraction": fraction, "bytes": in_bytes},
+    }
+
+
+def _first_step(rank: int, world: int, budget: float | int) -> dict:
+    """The first step of a fresh FSDP2 model under ``budget``, measured on its own: an
+    identical step fills a plan cache (this rank's own folder: it reads back exactly the
+    problems this rank measured, its kernels' scratch included, with no second writer),
+    and then, from a reset dynamo, a new model's first step runs the plans a first step
+    runs, from that cache, inside ``memory.peak`` (planning inside the profiler would
+    measure no kernel scratch). Its peak, the step's budget in bytes, what the recorded
+    first step predicts, the compile-time plan's limit, peak and reserve, the cache's counts,
+    and
+    its gradients against one process's on the whole batch. ``room``: what the block
+    graph's first-step plan kept free for the code after it (``GraphPlan.room``)."""
+    x, y = _batches(world)[0]
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    with tempfile.TemporaryDirectory() as cache:
+        model, _ = _sharded()
+        remat.optimize(model, budget=budget, cache=cache)(x[mine], y[mine]).backward()
+        torch._dynamo.reset()
+        model, reference = _sharded()
+        optimized = remat.optimize(model, budget=budget, cache=cache)
+        peak = memory.peak(lambda: optimized(x[mine], y[mine]).backward()).peak_bytes
+    reference(x, y).backward()
+    report = optimized.remat.report()
+    graph = report.graphs[0]  # the block graph's compile-time plan
+    return {
+        "peak": peak,
+        "budget": max(s.limit for s in report.steps),
+        "first_predicted": report.first_step_peak,
+        "predicted": report.predicted_peak,
+        "graph_limit": graph.limit,
+        "graph_peak": graph.plan.peak,
+        "reserve": graph.reserve,
+        "room": graph.room,
+        "cache": dict(optimized.remat.cache.counts),
+        "grad_diff": max(
+            (_full_grad(p) - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ),
     }
 
 

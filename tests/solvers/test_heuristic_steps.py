@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from synthetic import random_joint
 from test_properties import any_problem, minimum_peak
 
-from remat.solvers import Node, Problem, evaluate, store_all
+from remat.solvers import Node, Problem, evaluate, held_bytes, store_all
 from remat.solvers.exchange import exchange
 from remat.solvers.heuristics import (
     FILL_TRIALS,
@@ -19,6 +19,7 @@ from remat.solvers.heuristics import (
     descend,
     fill,
     greedy,
+    least_held,
     nearest_fit,
     savable,
 )
@@ -286,3 +287,20 @@ def test_exchange_keeps_a_fitting_plan_fitting_and_never_costlier(problem, share
     again = evaluate(problem, better.saved, solver="t")
     assert (again.cost, again.peak) == (better.cost, better.peak)
     assert exchange(problem, plan, budget).saved == better.saved  # deterministic
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(problem=any_problem(80), share=st.floats(0.0, 1.5))
+def test_least_held_fits_and_holds_the_least_it_can(problem, share):
+    """``least_held``: a plan within the limit, found wherever storing everything fits,
+    holding past the forward what recompute-all holds (the least any plan can) wherever
+    recompute-all fits."""
+    low, high = minimum_peak(problem), store_all(problem).peak
+    limit = int(low + share * (high - low))
+    found = least_held(problem, limit)
+    assert found is None or found.peak <= limit
+    if high <= limit:
+        assert found is not None
+    recomputed = evaluate(problem, (), solver="recompute-all")
+    if recomputed.peak <= limit:
+        assert held_bytes(problem, found) == held_bytes(problem, recomputed)
