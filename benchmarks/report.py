@@ -320,6 +320,22 @@ def _test_name(failure: str) -> str:
     return f"{module.rpartition('.')[2]}{sep}{name}"
 
 
+def _at_yours(row: dict) -> str:
+    """remat's measured peak over the user's program's, or the minimum it refused with."""
+    if row.get("remat at yours refused"):
+        refused = row["remat at yours refused"]
+        return f"refused: needs {refused / row['yours peak']:.3f}"
+    return fixed(3)(row["remat at yours peak"] / row["yours peak"])
+
+
+def _over_yours(key: str) -> Callable[[dict], float | None]:
+    return lambda row: None if row.get(key) is None else row[key] / row["yours peak"]
+
+
+def _faster(key: str) -> Callable[[dict], float | None]:
+    return lambda row: None if row.get(key) is None else row[key] / row["yours s"]
+
+
 SCRIPT_TABLES: dict[str, list] = {
     "planning_llm_depth": [
         ("layers", "layers", plain),
@@ -347,6 +363,18 @@ SCRIPT_TABLES: dict[str, list] = {
         ("later steps / budget", "later / budget", fixed(3)),
         ("grad error", "grad error", significant),
         ("first step s", "first step s", fixed(1)),
+    ],
+    "as_given": [
+        ("model", "model", plain),
+        ("your program: peak", "yours peak", mib),
+        ("step s", "yours s", fixed(3)),
+        ("torch.compile / yours", _over_yours("torch.compile peak"), fixed(3)),
+        ("remat at your peak: peak / yours", _at_yours, plain),
+        ("step / yours", _faster("remat at yours seconds"), fixed(3)),
+        ("solver", "remat at yours solver", plain),
+        ("grad error", "remat at yours grad error", significant),
+        ("remat at 1.0: peak / yours", _over_yours("remat 1.0 peak"), fixed(3)),
+        ("step / yours, at 1.0", _faster("remat 1.0 seconds"), fixed(3)),
     ],
     "step_time": [
         ("budget", "budget", plain),
