@@ -118,11 +118,11 @@ def optimize(
             in the plan.
         budget: the cap on the step's peak bytes above what is resident before it:
             ``int`` bytes (4096 or more: a smaller one is refused as ambiguous), a
-            ``float`` fraction in (0, 1] of the store-all plan's peak (or of your own
-            checkpointed program's, where that is lower), a string (``"2GiB"``,
-            ``"40%"``), ``"min"`` (the lowest peak remat can reach) or ``"device"`` (what
-            the CUDA device has free at the first step, less a 10% margin:
-            ``remat.device_budget``); read once by ``Budget.parse``.
+            ``float`` fraction in (0, 1] of the store-all plan's peak (or, where lower, of
+            your own checkpointed program's or, under ``auto``, torch's partition's), a
+            string (``"2GiB"``, ``"40%"``), ``"min"`` (the lowest peak remat can reach)
+            or ``"device"`` (what the CUDA device has free at the first step, less a 10%
+            margin: ``remat.device_budget``); read once by ``Budget.parse``.
         solver: a name from ``remat.solvers.SOLVERS`` (default ``"auto"``) or a callable
             ``(problem, limit) -> Plan`` (``remat.solvers.Solver``).
         compiler: what runs the planned programs: ``"eager"`` (default) or

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from remat.cache import PlanCache
+from remat.compiled import CompiledGraph, GraphPlan
 from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
 from remat.errors import InvalidOption
 from remat.passes._torch_compat import (
@@ -25,7 +26,7 @@ from remat.passes._torch_compat import (
     inductor,
 )
 from remat.passes.sizes import describe
-from remat.planner import CompiledGraph, GraphPlan, Planner
+from remat.planner import Planner
 from remat.report import PlanReport
 from remat.runtime import StepRunner
 from remat.runtime.programs import add_marker_slot

@@ -1,7 +1,7 @@
 """Plans a graph is offered beside the solver's: the one the user's own checkpointing
-makes, a plan kept from smaller sizes (as it is, or repaired to fit), and the plans made
-for the same graph under smaller budgets. Each is a ``Plan`` of the graph's ``Problem``
-(or its saved set), so the planner weighs them like any other."""
+makes, torch's own partition, a plan kept from smaller sizes (as it is, or repaired to
+fit), and the plans made for the same graph under smaller budgets. Each is a ``Plan`` of
+the graph's ``Problem`` (or its saved set), so the planner weighs them like any other."""
 
 from __future__ import annotations
 
@@ -86,32 +86,49 @@ def still_fitting(problem: Problem, kept: Plan | None, limit: int) -> Plan | Non
     return dataclasses.replace(fixed, limit=limit) if fixed.peak <= limit else None
 
 
-def offered(
+def torch_partition(
     joint: fx.GraphModule,
     num_fwd_outputs: int,
     extracted: Extracted,
-    yours: Plan | None,
-    made: dict[str, frozenset[int]],
     cache: PlanCache | None,
-) -> dict[str, frozenset[int]]:
-    """What the ``auto`` solver is offered: the plan of the user's own checkpointing
-    (``yours``), the plans ``made`` for the graph under smaller budgets (``made_under``)
-    and, on graphs below ``REPEATED_MIN_NODES``, torch's own partition, from ``cache``
-    where a process stored it (above, it takes longer than remat's plan:
-    docs/benchmarks.md, "Planning at LLM depth")."""
-    found = dict(made)
-    if yours is not None:
-        found[YOURS] = yours.saved
+    before: Plan | None = None,
+) -> Plan | None:
+    """torch's own partition of ``joint`` (``min_cut_rematerialization_partition``, what
+    ``torch.compile`` runs) as a plan of the graph's problem, on graphs below
+    ``REPEATED_MIN_NODES`` (above, it takes longer than remat's plan: docs/benchmarks.md,
+    "Planning at LLM depth"), from ``cache`` where a process stored it; at larger sizes of
+    a symbolic graph, the saved set it had at the earlier ones (``before``). A candidate
+    for ``auto``, and with its peak what a fraction of a budget is of where that is lower:
+    budget 1.0 is then at most what ``torch.compile`` holds."""
+    if before is not None:
+        return evaluate(extracted.problem, before.saved, solver=before.solver)
     if len(extracted.problem) >= REPEATED_MIN_NODES:
-        return found
+        return None
 
     def partition() -> dict[str, frozenset[int]]:
         saved = torch_saved(joint, num_fwd_outputs, extracted)
         return {} if saved is None else {TORCH_CANDIDATE: saved}
 
-    if cache is None:
-        return {**found, **partition()}
-    return {**found, **cache.candidates(joint, num_fwd_outputs, partition)}
+    found = partition() if cache is None else cache.candidates(joint, num_fwd_outputs, partition)
+    if TORCH_CANDIDATE not in found:
+        return None
+    try:
+        return evaluate(extracted.problem, found[TORCH_CANDIDATE], solver=TORCH_CANDIDATE)
+    except InvalidPlan:  # a saved set remat's programs cannot run: not a candidate
+        return None
+
+
+def offered(
+    yours: Plan | None, theirs: Plan | None, made: dict[str, frozenset[int]]
+) -> dict[str, frozenset[int]]:
+    """What the ``auto`` solver is offered: the plan of the user's own checkpointing
+    (``yours``), torch's partition (``theirs``, ``torch_partition``) and the plans
+    ``made`` for the graph under smaller budgets (``made_under``)."""
+    found = dict(made)
+    for plan in (yours, theirs):
+        if plan is not None:
+            found[plan.solver] = plan.saved
+    return found
 
 
 def forget_made() -> None:

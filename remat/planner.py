@@ -21,7 +21,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -35,8 +34,10 @@ from remat.candidates import (
     offered,
     remember,
     still_fitting,
+    torch_partition,
     user_plan,
 )
+from remat.compiled import CompiledGraph, GraphPlan
 from remat.costs import CostModel, calibration, check_cost_model
 from remat.device_budget import on_device
 from remat.first_step import (
@@ -68,9 +69,7 @@ from remat.solvers import (
     held_bytes,
     lowest_budget,
     min_peak_plan,
-    saved_bytes,
     solve,
-    step_seconds,
     store_all,
 )
 from remat.solvers.budget import Budget
@@ -82,61 +81,6 @@ from remat.solvers.solve import (
 )
 
 log = logging.getLogger("remat")
-
-
-@dataclass(frozen=True)
-class GraphPlan:
-    """What remat decided for one compiled graph, with the numbers behind it."""
-
-    name: str
-    extracted: Extracted
-    plan: Plan
-    store_all: Plan
-    limit: int  # bytes the plan had to fit: the budget less what earlier runs held
-    plan_seconds: float
-    # where ``plan_seconds`` went: "extract" (costs, kernels measured), "solve", "rewrite"
-    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    # dynamo's id of the compile that produced this graph (None outside dynamo)
-    compile_id: CompileId | None = None
-    # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
-    # those stay in ``.grad`` while the backwards of earlier graphs of the step run
-    leaves: frozenset[tuple[int, int]] = frozenset()
-    # the sizes it was planned at, as (symbol, value), where its sizes are symbolic
-    binding: tuple[tuple[str, int], ...] = ()
-    # bytes kept free of its first-step plan for the code after it (``first_step.outside_reserve``)
-    reserve: int = 0
-    # the room its first-step plan kept instead, for code after it that was not seen
-    # (``first_step.widest_room``); None where that room is ``reserve``
-    room: int | None = None
-    # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
-    yours: Plan | None = None
-    # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
-    figures: str = "calibrated"
-
-    @property
-    def saved_bytes(self) -> int:
-        return saved_bytes(self.extracted.problem, self.plan)
-
-    @property
-    def step_seconds(self) -> float:
-        """The estimated time of the graph's forward and backward under the plan."""
-        return step_seconds(self.extracted.problem, self.plan)
-
-
-@dataclass(frozen=True)
-class CompiledGraph:
-    """What compile time hands run time for one joint graph: the record of its plan, the
-    joint graph a later plan of it is rewritten from, and the programs of this plan."""
-
-    record: GraphPlan
-    joint: fx.GraphModule
-    num_fwd_outputs: int
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    # the joint graph's size symbols (none where its sizes are static) and the sizes this
-    # plan was made at: it serves every size no larger (``passes.sizes.covers``)
-    sizes: Sizes = Sizes()
-    binding: Binding = dataclasses.field(default_factory=dict)
 
 
 class Planner:
@@ -256,7 +200,7 @@ class Planner:
             record = self._plan_at(
                 compiled.joint, compiled.num_fwd_outputs, r.name, binding, held, r.leaves,
                 r.compile_id, r.plan, grown, held_stored=held_stored, stored_peak=stored_peak,
-                unseen=r.room is not None,
+                unseen=r.room is not None, theirs_before=r.theirs,
             )  # fmt: skip
         self._log(record, binding)
         return record
@@ -277,11 +221,12 @@ class Planner:
         stored_peak: int = 0,
         alone: bool = False,
         unseen: bool = False,
+        theirs_before: Plan | None = None,
     ) -> GraphPlan:
         """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
         measured): ``kept`` (an earlier binding's plan) where it still fits, else the
         solver's. ``held``, ``held_stored``, ``stored_peak``, ``alone``, ``unseen``: as
-        ``plan`` takes them."""
+        ``plan`` takes them; ``theirs_before``: torch's partition at the earlier binding."""
         start = time.perf_counter()
         if extracted is None:
             with reading_at(binding):
@@ -290,8 +235,11 @@ class Planner:
         problem = extracted.problem
         baseline = store_all(problem)
         yours = user_plan(extracted, baseline)
+        theirs = None
+        if self.solver == "auto":  # a candidate, and what a fraction may be of
+            theirs = torch_partition(joint, num_fwd_outputs, extracted, self.cache, theirs_before)
         reserve = outside_reserve(extracted)
-        reference = baseline.peak if yours is None else min(baseline.peak, yours.peak)
+        reference = min(p.peak for p in (baseline, yours, theirs) if p is not None)
         agree = not binding
         stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
         limit = self._graph_limit(problem, stored, held, reserve, agree)
@@ -310,8 +258,7 @@ class Planner:
             if kept is not None:
                 candidates = functools.partial(dict, {f"{kept.solver} (kept)": kept.saved})
             elif self.solver == "auto":
-                args = (joint, num_fwd_outputs, extracted, yours, made, self.cache)
-                candidates = functools.partial(offered, *args)
+                candidates = functools.partial(offered, yours, theirs, made)
             else:
                 candidates = dict
             whole = alone and not reserve and only_a_loss(extracted)
@@ -345,6 +292,7 @@ class Planner:
             reserve=reserve,
             room=room,
             yours=yours,
+            theirs=theirs,
             figures=calibration.figures_source(),
         )
         self.graphs.append(record)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from remat.candidates import YOURS
-from remat.planner import GraphPlan
+from remat.compiled import GraphPlan
 from remat.runtime import StepPlan
 from remat.solvers import Plan, format_bytes, store_all
 from remat.timeline import StepTimeline

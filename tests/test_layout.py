@@ -234,7 +234,7 @@ def _one_module(tmp_path: Path, name: str, source: str) -> tuple[str, Path]:
 
 def test_the_rules_catch_a_forbidden_import(tmp_path):
     """The checks above can fail: a pass importing the cost model or the runtime, a
-    solver importing a pass, the planner importing the runtime, and a cycle."""
+    solver importing a pass, compile time's records importing the runtime, and a cycle."""
     known = [*CORE]
     cases = {
         "remat.passes.probe": "from remat.costs.measured import output_strides\n",
@@ -244,13 +244,13 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     for name, source in cases.items():
         probe = _one_module(tmp_path, name, source)
         assert _forbidden(_import_graph([*known, probe])), name
-    planner = next(p for n, p in CORE if n == "remat.planner")
+    compiled = next(p for n, p in CORE if n == "remat.compiled")
     patched = _one_module(
-        tmp_path, "remat.planner", planner.read_text() + "\nfrom remat.runtime import joint\n"
+        tmp_path, "remat.compiled", compiled.read_text() + "\nfrom remat.runtime import joint\n"
     )
-    graph = _import_graph([*(m for m in known if m[0] != "remat.planner"), patched])
-    assert "remat.planner -> remat.runtime.joint" in _forbidden(graph)
-    assert _cycles(graph), "the planner importing the runtime closes a cycle"
+    graph = _import_graph([*(m for m in known if m[0] != "remat.compiled"), patched])
+    assert "remat.compiled -> remat.runtime.joint" in _forbidden(graph)
+    assert _cycles(graph), "compile time's records importing the runtime closes a cycle"
 
 
 def test_every_package_folder_is_in_the_wheel():

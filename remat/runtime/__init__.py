@@ -4,7 +4,7 @@
 (``recording``), with the memory the code between them holds (``outside``, ``handed``);
 ``joint.plan_step`` plans the recorded step as one, and the runner swaps the programs in
 from the next step on. What a graph is, the planner hands over as a
-``remat.planner.CompiledGraph`` (``StepRunner.add``).
+``remat.compiled.CompiledGraph`` (``StepRunner.add``).
 """
 
 from remat.runtime.joint import StepPlan

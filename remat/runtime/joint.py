@@ -116,12 +116,15 @@ def _left_room(record) -> bool:
 
 
 def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:
-    """What a fraction of the budget is of: the store-all peak, or the step as the user
-    wrote it where their own checkpointing peaks lower (``candidates.user_plan``)."""
-    if not any(r.graph.record.yours for r in runs):
-        return store_all_peak
-    plans = tuple(r.graph.record.yours or r.graph.record.store_all for r in runs)
-    return min(store_all_peak, _as_run(composed, plans, "yours").peak)
+    """What a fraction of the budget is of: the store-all peak, or where it peaks lower the
+    step as the user wrote it (their own checkpointing, ``candidates.user_plan``) or as
+    torch partitions it (``candidates.torch_partition``), each run's graph so planned."""
+    peaks = [store_all_peak]
+    for name in ("yours", "theirs"):
+        if any(getattr(r.graph.record, name) for r in runs):
+            plans = tuple(getattr(r.graph.record, name) or r.graph.record.store_all for r in runs)
+            peaks.append(_as_run(composed, plans, name).peak)
+    return min(peaks)
 
 
 def _kept_after_growth(

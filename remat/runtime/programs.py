@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from remat.compiled import CompiledGraph, GraphPlan
 from remat.passes._torch_compat import FakeTensor, boxed, real_tensors
 from remat.passes.extract import Extracted, is_symbolic, is_tangent
 from remat.passes.rewrite import rewrite
 from remat.passes.sizes import Binding, Sizes, no_guards
-from remat.planner import CompiledGraph, GraphPlan
 from remat.solvers import Plan, Problem
 
 aten = torch.ops.aten

@@ -36,6 +36,7 @@ import torch
 
 from remat.agree import distributed
 from remat.cache import PlanCache
+from remat.compiled import CompiledGraph, GraphPlan
 from remat.passes._torch_compat import (
     FakeTensor,
     after_backward,
@@ -46,7 +47,6 @@ from remat.passes._torch_compat import (
     tree_flatten,
 )
 from remat.passes.sizes import Binding, covers, describe, larger
-from remat.planner import CompiledGraph, GraphPlan
 from remat.runtime.joint import StepPlan, plan_step
 from remat.runtime.outside import OutsideMemory, push_if_not_top
 from remat.runtime.programs import Graph

@@ -16,7 +16,7 @@ from remat.candidates import TORCH_CANDIDATE
 from remat.errors import InvalidOption
 from remat.passes.min_cut import torch_saved
 from remat.planner import Planner
-from remat.solvers import SOLVERS, Budget, evaluate, saved_bytes, store_all
+from remat.solvers import SOLVERS, Budget, InfeasibleBudget, evaluate, saved_bytes, store_all
 from remat.solvers.cpsat import GAP_LIMIT
 
 aten = torch.ops.aten
@@ -118,11 +118,40 @@ def test_remat_is_never_costlier_than_torchs_partition_where_it_fits(joint, comp
         assert graph.plan.solver != TORCH_CANDIDATE and graph.plan.peak <= graph.limit
 
 
+def _store_all_bytes(joint) -> int:
+    """The store-all peak in bytes: a budget store-all fits, where a fraction is of torch's
+    partition where that peaks lower (``test_a_fraction_is_of_torchs_partition_...``). The
+    plan made meanwhile is forgotten, not offered to the test's own."""
+    from remat import candidates
+
+    graph, n = joint
+    planner = Planner(Budget.parse(1.0), solver="store-all", compiler="inductor")
+    peak = planner.plan(copy.deepcopy(graph), n).record.plan.peak
+    candidates.forget_made()
+    return peak
+
+
 def test_torchs_partition_is_taken_where_the_solver_does_worse(joint, monkeypatch):
+    budget = _store_all_bytes(joint)
     monkeypatch.setitem(SOLVERS, "auto", SOLVERS["store-all"])  # a solver that saves all
-    graph = plan_of(joint, 1.0, "inductor")
+    graph = plan_of(joint, budget, "inductor")
     assert graph.plan.solver == TORCH_CANDIDATE
     assert graph.plan.cost < store_all(graph.extracted.problem).cost
+
+
+def test_a_fraction_is_of_torchs_partition_where_that_peaks_below_store_all(joint):
+    """Budget 1.0 is at most what torch's own partition holds: the limit is its peak where
+    that is below the store-all peak, and the plan fits it at no more cost."""
+    graph = plan_of(joint, 1.0, "eager")
+    full = store_all(graph.extracted.problem)
+    assert graph.theirs is not None and graph.theirs.peak < full.peak
+    assert graph.limit == graph.theirs.peak
+    assert graph.plan.peak <= graph.limit and graph.plan.cost <= graph.theirs.cost
+    try:
+        limit = plan_of(joint, 0.9, "eager").limit
+    except InfeasibleBudget as refusal:  # below what remat reaches: the refusal's limit
+        limit = refusal.limit
+    assert limit == int(0.9 * graph.theirs.peak)
 
 
 def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, monkeypatch):
@@ -136,12 +165,13 @@ def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, m
         calls.append(1)
         return torch_saved(*args)
 
+    budget = _store_all_bytes(joint)
     monkeypatch.setattr(candidates, "torch_saved", counted)
     monkeypatch.setitem(SOLVERS, "auto", SOLVERS["store-all"])  # never proven within 1%
     plans = []
     for _ in range(2):  # two processes sharing one folder
         candidates.forget_made()
-        run = Planner(Budget.parse(1.0), compiler="inductor", cache=cache.PlanCache(tmp_path))
+        run = Planner(Budget.parse(budget), compiler="inductor", cache=cache.PlanCache(tmp_path))
         plans.append(run.plan(copy.deepcopy(graph), n).record.plan)
     assert len(calls) == 1 and run.cache.counts["candidates hit"] == 1
     assert plans[0].solver == plans[1].solver == TORCH_CANDIDATE
@@ -149,7 +179,7 @@ def test_a_restart_reads_torchs_partition_from_the_plan_cache(joint, tmp_path, m
     # a damaged entry is partitioned again, never trusted
     (entry,) = tmp_path.glob("candidates-*.json")
     entry.write_text('{"format": 1, "key": "x"}')
-    run = Planner(Budget.parse(1.0), compiler="inductor", cache=cache.PlanCache(tmp_path))
+    run = Planner(Budget.parse(budget), compiler="inductor", cache=cache.PlanCache(tmp_path))
     again = run.plan(copy.deepcopy(graph), n).record.plan
     assert len(calls) == 2 and again.saved == plans[0].saved
 

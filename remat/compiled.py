@@ -1,0 +1,72 @@
+"""The records compile time hands run time: ``GraphPlan``, what remat decided for one
+compiled graph, and ``CompiledGraph``, that record with the programs it was rewritten
+into (``Planner.plan`` returns one; ``remat.runtime`` runs it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import fx
+
+from remat.passes._torch_compat import CompileId
+from remat.passes.extract import Extracted
+from remat.passes.sizes import Binding, Sizes
+from remat.solvers import Plan, saved_bytes, step_seconds
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What remat decided for one compiled graph, with the numbers behind it."""
+
+    name: str
+    extracted: Extracted
+    plan: Plan
+    store_all: Plan
+    limit: int  # bytes the plan had to fit: the budget less what earlier runs held
+    plan_seconds: float
+    # where ``plan_seconds`` went: "extract" (costs, kernels measured), "solve", "rewrite"
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # dynamo's id of the compile that produced this graph (None outside dynamo)
+    compile_id: CompileId | None = None
+    # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
+    # those stay in ``.grad`` while the backwards of earlier graphs of the step run
+    leaves: frozenset[tuple[int, int]] = frozenset()
+    # the sizes it was planned at, as (symbol, value), where its sizes are symbolic
+    binding: tuple[tuple[str, int], ...] = ()
+    # bytes kept free of its first-step plan for the code after it (``first_step.outside_reserve``)
+    reserve: int = 0
+    # the room its first-step plan kept instead, for code after it that was not seen
+    # (``first_step.widest_room``); None where that room is ``reserve``
+    room: int | None = None
+    # the plan the user's own checkpointing makes (``candidates.user_plan``), if any
+    yours: Plan | None = None
+    # torch's own partition as a plan (``candidates.torch_partition``), where ``auto`` made it
+    theirs: Plan | None = None
+    # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
+    figures: str = "calibrated"
+
+    @property
+    def saved_bytes(self) -> int:
+        return saved_bytes(self.extracted.problem, self.plan)
+
+    @property
+    def step_seconds(self) -> float:
+        """The estimated time of the graph's forward and backward under the plan."""
+        return step_seconds(self.extracted.problem, self.plan)
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What compile time hands run time for one joint graph: the record of its plan, the
+    joint graph a later plan of it is rewritten from, and the programs of this plan."""
+
+    record: GraphPlan
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    # the joint graph's size symbols (none where its sizes are static) and the sizes this
+    # plan was made at: it serves every size no larger (``passes.sizes.covers``)
+    sizes: Sizes = Sizes()
+    binding: Binding = dataclasses.field(default_factory=dict)
