@@ -342,8 +342,8 @@ def _guarded(
             raise InvalidOption(
                 f"max_sizes: {name} does not take every size up to the declared maxima "
                 f"(its code limits them; dynamo: {' '.join(str(violation).split())}). "
-                "Declare maxima the model takes (a length below the one its position "
-                "tables or masks are built for)"
+                "Declare maxima the model takes: the guard above says where its code limits "
+                "the size (a position table or a mask built for a length)"
             ) from None
         if not rb.compiles:  # dynamo skipped the whole frame: it will at every call
             raise NothingCompiled(name)

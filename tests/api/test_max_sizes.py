@@ -93,6 +93,23 @@ def test_memory_of_code_outside_the_graph_is_measured_at_the_larger_sizes():
     torch.compiler.reset()
 
 
+def test_plan_and_a_backend_given_marked_sizes_plan_at_the_maximum():
+    torch.compiler.reset()
+    net = _net()
+    report = remat.plan(
+        net, (_data(40),), budget=0.8, cache=False, max_sizes={"input": (256, None)}
+    )
+    assert [[v for _, v in g.binding] for g in report.graphs] == [[256]]
+    torch.compiler.reset()
+    rb = remat.backend(budget=0.8, cache=False)  # torch.compile's path: the user marks sizes
+    compiled = torch.compile(net, backend=rb)
+    x = _data(40)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=256)
+    compiled(x).sum().backward()
+    assert [[v for _, v in g.binding] for g in rb.graphs] == [[256]]
+    torch.compiler.reset()
+
+
 @pytest.mark.slow
 def test_a_model_declared_at_its_longest_length_plans_once_and_keeps_an_absolute_budget():
     torch.compiler.reset()
@@ -161,6 +178,28 @@ def test_a_declaration_that_does_not_fit_the_call_is_refused_before_it_runs(
     with pytest.raises(error, match=match):
         step(torch.randn(8, 4, requires_grad=True))
     assert not step.remat.compiles  # nothing traced
+
+
+def test_a_maximum_the_model_does_not_take_is_refused_with_the_guard_that_limits_it():
+    torch.compiler.reset()
+    table = nn.Parameter(torch.ones(64, 4))  # rows for at most 64 positions
+
+    def positions(x):
+        return (x * table[: x.shape[0]]).square().mean()
+
+    step = remat.optimize(positions, budget=1.0, cache=False, max_sizes={"x": (100, None)})
+    with pytest.raises(remat.InvalidOption, match=r"does not take every size.*<= 64"):
+        step(torch.randn(40, 4))
+    torch.compiler.reset()
+
+
+def test_a_batch_of_one_is_traced_apart_and_larger_ones_keep_the_declared_trace():
+    torch.compiler.reset()
+    step = remat.optimize(_loss, budget=1.0, cache=False, max_sizes={"x": (100, None)})
+    for rows in (40, 1, 70):
+        step(torch.randn(rows, 4, requires_grad=True)).backward()
+    assert [[v for _, v in g.binding] for g in step.remat.graphs] == [[100], []]
+    torch.compiler.reset()
 
 
 def test_a_declared_maximum_needs_symbolic_sizes():
