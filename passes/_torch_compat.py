@@ -43,6 +43,7 @@ with needed():
     from torch._guards import CompileContext, CompileId
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
 
@@ -61,6 +62,7 @@ __all__ = [
     "BackendCompilerFailed",
     "CompileContext",
     "CompileId",
+    "ConstraintViolationError",
     "FailOnRecompileLimitHit",
     "FakeTensor",
     "TorchDispatchMode",
@@ -70,6 +72,7 @@ __all__ = [
     "cpu_allocations",
     "current_dispatch_mode",
     "custom_partitioner_base",
+    "declared_maxima",
     "dispatch_modes_off",
     "dynamo_config",
     "dynamo_compiled_code",
@@ -88,6 +91,7 @@ __all__ = [
     "extract_fwd_bwd_modules",
     "is_python_random",
     "is_torch_assert",
+    "mark_dynamic_up_to",
     "mutated_inputs",
     "op_schema",
     "optimization_hint",
@@ -422,3 +426,18 @@ def cpu_allocations(prof) -> list[tuple[int, int, int, int]]:
         size = int(fields.alloc_size)
         found.append((event.start_time_ns, size > 0, int(fields.ptr), size))
     return found
+
+
+def mark_dynamic_up_to(t: torch.Tensor, dim: int, maximum: int) -> None:
+    """Mark ``t``'s dimension ``dim`` symbolic for dynamo, from 2 (dynamo keeps 0 and 1
+    static) up to ``maximum``: traced once for every size in that range, which its guards
+    then check. torch 2.13 refuses a ``max`` without a ``min``."""
+    torch._dynamo.mark_dynamic(t, dim, min=2, max=maximum)
+
+
+def declared_maxima(value) -> dict[int, int]:
+    """Per dimension of ``value`` marked dynamic with a maximum (``mark_dynamic(..., max=)``,
+    by remat or by the user), that maximum: dynamo keeps the marks on the tensor, which a
+    backend is handed as an example input."""
+    ranges = getattr(value, "_dynamo_dynamic_range", None) or ()
+    return {r.dim: r.max for r in ranges if r.max is not None}

@@ -133,6 +133,17 @@ class Sizes:
                 out[s] = max(out[s], earlier[dim])
         return out
 
+    def bounded(self, declared: Sequence[Mapping[int, int]]) -> bool:
+        """Whether every symbol stands for an input dimension with a declared maximum
+        (``declared``: per input, dimension -> maximum): sizes then never grow past the
+        binding ``hints`` reads at those maxima."""
+        marked = {
+            s
+            for s, k, d in self.appears
+            if d is not None and k < len(declared) and d in declared[k]
+        }
+        return all(s in marked for s, _, _ in self.where)
+
 
 def covers(planned: Binding, binding: Binding) -> bool:
     """Whether a plan made at ``planned`` serves ``binding``: no size is larger."""

@@ -15,6 +15,7 @@ from remat.errors import (
     RecompileLimitHit,
     RecurrentModules,
     RematError,
+    SizeAboveMaximum,
     SolverOverBudget,
 )
 from remat.report import PlanReport
@@ -32,6 +33,7 @@ __all__ = [
     "RecurrentModules",
     "RematBackend",
     "RematError",
+    "SizeAboveMaximum",
     "SolverOverBudget",
     "backend",
     "configure",

@@ -27,8 +27,10 @@ from remat.errors import (
     RecurrentModules,
     RematError,
 )
+from remat.max_sizes import MaxSizes, MaxSizesLike
 from remat.passes._torch_compat import (
     BackendCompilerFailed,
+    ConstraintViolationError,
     FailOnRecompileLimitHit,
     dynamo_config,
     fsdp_resized_tensors,
@@ -102,6 +104,7 @@ def optimize(
     cache: CacheLike = None,
     on_failure: str = "eager",
     dynamic: bool | None = None,
+    max_sizes: MaxSizesLike | None = None,
 ) -> nn.Module | Callable:
     """Return ``model`` compiled so each training step peaks under ``budget``.
 
@@ -136,6 +139,15 @@ def optimize(
             the first call; False: every new size traced and planned anew. A graph with
             symbolic sizes is planned at the largest sizes it has run at, and planned
             again (no trace) when larger ones come (docs/guide.md, "Sizes that vary").
+        max_sizes: the largest sizes of the inputs whose sizes vary, per argument name
+            (positional ones by their name in the signature): a maximum shape with None
+            where a dimension does not vary, ``{"input_ids": (8, 512)}``, or dimension ->
+            maximum, ``{"input_ids": {1: 512}}``. Those dimensions are symbolic from the
+            first call, so the model is traced once, and planned once, at the maxima: no
+            step up to them plans again, and a fraction of the budget is of the store-all
+            peak at the maxima. A training call above a maximum raises
+            ``SizeAboveMaximum`` before anything runs (docs/guide.md, "A declared
+            maximum").
         on_failure: where remat cannot compile the model (a bug, an op it cannot plan;
             not a verdict such as ``InfeasibleBudget``, which is raised), ``"eager"``
             runs it eagerly from then on with one ``remat.errors.EagerFallback`` warning,
@@ -152,7 +164,9 @@ def optimize(
     Raises:
         InfeasibleBudget: at the end of the first step, where no plan of the step fits
             the budget; it names the lowest budget remat found a plan under.
-        InvalidOption: a budget, solver, compiler or cost model it cannot read.
+        InvalidOption: a budget, solver, compiler, cost model or ``max_sizes`` it cannot
+            read.
+        SizeAboveMaximum: a training call's input is larger than ``max_sizes`` declares.
 
     Example:
         >>> import torch, remat
@@ -168,22 +182,34 @@ def optimize(
     """
     if on_failure not in ON_FAILURE:
         raise InvalidOption(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
+    if max_sizes and dynamic is False:
+        raise InvalidOption(
+            "max_sizes makes the declared sizes symbolic, which dynamic=False forbids: "
+            "leave dynamic at None (or True)"
+        )
     rb = backend(budget, solver=solver, compiler=compiler, cost_model=cost_model, cache=cache)
     if isinstance(model, nn.Module):
-        return _compiled_copy(model, rb, on_failure, dynamic)  # ``optimized.remat`` is ``rb``
+        # ``optimized.remat`` is ``rb``
+        return _compiled_copy(model, rb, on_failure, dynamic, max_sizes)
     if not callable(model):
         raise TypeError(f"optimize expects an nn.Module or a function, got {type(model).__name__}")
     name = getattr(model, "__qualname__", type(model).__name__)
+    declared = MaxSizes.parse(max_sizes, model, name)
     compiled = _guarded(
-        torch.compile(model, backend=rb, dynamic=dynamic), rb, name, model, on_failure
-    )
+        torch.compile(model, backend=rb, dynamic=dynamic), rb, name, model, on_failure,
+        declared=declared,
+    )  # fmt: skip
     functools.update_wrapper(compiled, model)
     compiled.remat = rb
     return compiled
 
 
 def _compiled_copy(
-    model: nn.Module, rb: RematBackend, on_failure: str, dynamic: bool | None = None
+    model: nn.Module,
+    rb: RematBackend,
+    on_failure: str,
+    dynamic: bool | None = None,
+    max_sizes: MaxSizesLike | None = None,
 ) -> nn.Module:
     """A module that is ``model`` in all but its ``forward``, which is compiled with ``rb``.
 
@@ -202,13 +228,15 @@ def _compiled_copy(
             f"{cls.__name__} sets forward on the instance; remat compiles the class's forward "
             "(define it on the class)"
         )
+    name = f"{cls.__name__}.forward"
     compiled = _guarded(
         torch.compile(model.forward, backend=rb, dynamic=dynamic),
         rb,
-        f"{cls.__name__}.forward",
+        name,
         model.forward,
         on_failure,
         recurrent=_recurrent(model),
+        declared=MaxSizes.parse(max_sizes, model.forward, name),
     )
 
     @functools.wraps(cls.forward)
@@ -261,11 +289,14 @@ def _guarded(
     eager: Callable,
     on_failure: str,
     recurrent: Sequence[str] = (),
+    declared: MaxSizes | None = None,
 ) -> Callable:
     """``compiled`` raising what the user must fix, never running eagerly unplanned but
     where remat failed to compile and ``on_failure`` says so (``optimize``). A training
     call of a module holding ``recurrent`` modules is refused before it runs where dynamo
-    would run them eagerly (``RecurrentModules``)."""
+    would run them eagerly (``RecurrentModules``); one whose inputs exceed the ``declared``
+    maxima too (``SizeAboveMaximum``), and the others have their declared dimensions
+    marked symbolic up to them."""
     dynamo = dynamo_config
     fell_back = False
 
@@ -275,6 +306,8 @@ def _guarded(
             return eager(*args, **kwargs)
         if recurrent and not dynamo.allow_rnn and torch.is_grad_enabled():
             raise RecurrentModules(name, list(recurrent))
+        if declared is not None and torch.is_grad_enabled():
+            declared.apply(args, kwargs)
         rb.steps.entering((args, kwargs))
         ran = rb.steps.forwards_run
         try:
@@ -303,6 +336,15 @@ def _guarded(
             return eager(*args, **kwargs)
         except FailOnRecompileLimitHit as hit:
             raise RecompileLimitHit(name, dynamo.recompile_limit) from hit
+        except ConstraintViolationError as violation:
+            if declared is None:
+                raise
+            raise InvalidOption(
+                f"max_sizes: {name} does not take every size up to the declared maxima "
+                f"(its code limits them; dynamo: {' '.join(str(violation).split())}). "
+                "Declare maxima the model takes: the guard above says where its code limits "
+                "the size (a position table or a mask built for a length)"
+            ) from None
         if not rb.compiles:  # dynamo skipped the whole frame: it will at every call
             raise NothingCompiled(name)
         rb.steps.returned()
@@ -320,6 +362,7 @@ def plan(
     cost_model: str | None = None,
     cache: CacheLike = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    max_sizes: MaxSizesLike | None = None,
 ) -> PlanReport:
     """Plan ``model``'s training step on ``example_inputs`` without training it.
 
@@ -333,6 +376,8 @@ def plan(
         budget, solver, cost_model, cache: as ``optimize`` takes them.
         example_kwargs: keyword inputs of one step (Hugging Face models take
             ``input_ids=``, ``labels=``).
+        max_sizes: as ``optimize`` takes it: the step is planned at these maxima, from
+            example inputs no larger.
 
     Returns:
         A ``PlanReport``: every graph's plan and the step's joint plan, printable as a
@@ -351,7 +396,8 @@ def plan(
         True
     """
     rb = backend(budget, solver=solver, compiler="eager", cost_model=cost_model, cache=cache)
-    traced = _compiled_copy(model, rb, on_failure="raise")  # a plan or an error, not eager
+    # a plan or an error, not eager
+    traced = _compiled_copy(model, rb, on_failure="raise", max_sizes=max_sizes)
     snapshot = {k: v.detach().clone() for k, v in model.named_buffers()}
     grads = {p: p.grad for p in model.parameters()}
     try:

@@ -22,6 +22,7 @@ from remat.passes._torch_compat import (
     boxed,
     compile_caches_off,
     custom_partitioner_base,
+    declared_maxima,
     dynamo_compiled_code,
     inductor,
 )
@@ -90,26 +91,32 @@ class RematBackend:
                 compile_id,
             )
         leaves = _leaves_needing_grad(example_inputs)
-        seen = self._largest_seen(gm, example_inputs, compile_id)
+        declared = [declared_maxima(value) for value in example_inputs]
+        seen = self._largest_seen(gm, example_inputs, compile_id, declared)
         with self.steps.paused():  # planning mid-step allocates; the user's code did not
             if self.compiler == "inductor":
                 # Caches would skip the partitioner on a hit, leaving no plan to report.
                 with compile_caches_off():
-                    partition = InductorPartitioner(self.planner, leaves, seen)
+                    partition = InductorPartitioner(self.planner, leaves, seen, declared)
                     return inductor(gm, example_inputs, partitioner=partition)
             return self._compile_eager(gm, example_inputs, leaves, seen)
 
-    def _largest_seen(self, gm, example_inputs, compile_id) -> list[tuple | None]:
+    def _largest_seen(
+        self, gm, example_inputs, compile_id, declared: Sequence[dict[int, int]]
+    ) -> list[tuple | None]:
         """Per input of ``gm``, the largest sizes (or value, for a size) the traces of its
-        frame have had there so far, this one's included: a graph traced with symbolic
-        sizes is planned at least at the sizes its static trace ran at (``Sizes.hints``).
-        Inputs are matched by dynamo's names for them (a symbolic trace adds size inputs,
-        so positions shift)."""
+        frame have had there so far, this one's included, each dimension with a
+        ``declared`` maximum at that maximum (``optimize(..., max_sizes=...)``): a graph
+        traced with symbolic sizes is planned at least at the sizes its static trace ran
+        at, and at the declared maxima (``Sizes.hints``). Inputs are matched by dynamo's
+        names for them (a symbolic trace adds size inputs, so positions shift)."""
         frame = None if compile_id is None else compile_id.frame_id
         names = [p.name for p in gm.graph.find_nodes(op="placeholder")]
         seen = []
-        for name, value in zip(names, example_inputs, strict=False):
+        for name, value, maxima in zip(names, example_inputs, declared, strict=False):
             key, now = (frame, name), _concrete(value)
+            if now is not None and maxima:
+                now = tuple(maxima.get(d, size) for d, size in enumerate(now))
             earlier = self._largest.get(key, now)
             if now is not None and len(earlier) == len(now):
                 self._largest[key] = tuple(
@@ -227,20 +234,22 @@ class InductorPartitioner(custom_partitioner_base()):
         planner: Planner,
         leaves: frozenset[tuple[int, int]] = frozenset(),
         seen: Sequence[tuple | None] = (),
+        declared: Sequence[dict[int, int]] = (),
     ):
         self.planner = planner
-        self.leaves, self.seen = leaves, seen
+        self.leaves, self.seen, self.declared = leaves, seen, declared
 
     def __call__(self, gm, joint_inputs, *, num_fwd_outputs: int, **_ignored):
         held = self.planner.held_by_earlier_frames()
         compiled = self.planner.plan(
             gm, num_fwd_outputs, leaves=self.leaves, held=held, seen=self.seen
         )
-        if compiled.sizes:
+        if compiled.sizes and not compiled.sizes.bounded(self.declared):
             log.warning(
                 "remat %s: planned at %s, the sizes it was traced at; under inductor remat "
                 "sees no runs, so larger sizes run this plan and may exceed the budget "
-                "(compiler='eager' plans again as sizes grow)",
+                "(compiler='eager' plans again as sizes grow; a declared maximum, "
+                "optimize(..., max_sizes=...), is planned for from the first step)",
                 compiled.record.name,
                 describe(compiled.binding),
             )

@@ -20,6 +20,7 @@ __all__ = [
     "RecompileLimitHit",
     "RecurrentModules",
     "RematError",
+    "SizeAboveMaximum",
     "SolverOverBudget",
     "user_error",
 ]
@@ -88,4 +89,19 @@ class RecompileLimitHit(RematError, RuntimeError):
             "optimize(..., dynamic=False). Raise torch._dynamo.config.recompile_limit, call "
             "torch.compiler.reset() before optimizing another model (earlier ones then plan "
             "again at their next call), or let sizes vary symbolically (dynamic=None)."
+        )
+
+
+class SizeAboveMaximum(RematError, ValueError):
+    """A training call's input is larger than ``optimize(..., max_sizes=...)`` declared.
+    Refused before anything runs: the plan, and a fraction of the budget, were made for
+    the declared maxima, and dynamo would trace the call again (its guards check them)."""
+
+    def __init__(self, name: str, dim: int, size: int, maximum: int) -> None:
+        self.name, self.dim, self.size, self.maximum = name, dim, size, maximum
+        super().__init__(
+            f"{name} has size {size} at dimension {dim}, above its declared maximum "
+            f"{maximum} (optimize(..., max_sizes=...)): declare a maximum of at least "
+            f"{size} for it (the model is then traced and planned once, at the new "
+            "maxima), or cut the batch to the maximum"
         )

@@ -36,10 +36,11 @@ DEVICE = "device"  # the budget that is what the CUDA device has free at the fir
 class Budget:
     """A budget read once. Exactly one of: ``nbytes`` absolute; ``fraction`` of the
     store-all peak of the graph (or step) it is applied to, or of the user's own
-    checkpointed program or torch's partition where that peaks lower; ``lowest``, the lowest peak remat can
-    reach; ``device``, what the CUDA device has free at the first step (less a margin:
-    ``remat.device_budget``), made bytes there. Build it with ``parse``. ``written``: the
-    text it was read from, which messages repeat as the user wrote it."""
+    checkpointed program or torch's partition where that peaks lower; ``lowest``, the
+    lowest peak remat can reach; ``device``, what the CUDA device has free at the first
+    step (less a margin: ``remat.device_budget``), made bytes there. Build it with
+    ``parse``. ``written``: the text it was read from, which messages repeat as the user
+    wrote it."""
 
     nbytes: int | None = None
     fraction: float | None = None

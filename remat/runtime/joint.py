@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.passes._torch_compat import backward_holds_tangents
-from remat.passes.sizes import Binding
+from remat.passes.sizes import Binding, larger
 from remat.runtime.handed import keeping, own_order
 from remat.runtime.recording import Recording, Run
 from remat.solvers import InfeasibleBudget, Plan, evaluate, lowest_budget, solve, store_all
@@ -42,9 +42,13 @@ class StepPlan:
     first_peak: int  # what the recorded (first) step's plans peak at, predicted
     limit: int  # the budget in bytes for this step
     store_all_peak: int  # of ``composed.problem``: what a fraction of a budget is of
-    # per run, the sizes its graph's problem was read at: the plan serves every step whose
-    # runs are no larger (``passes.sizes.covers``); empty where sizes are static
+    # per run, the sizes its graph's problem was read at: its programs fit the budget at
+    # every size no larger (``passes.sizes.covers``); empty where sizes are static
     bindings: tuple[Binding, ...] = ()
+    # per run, the largest sizes a step it planned ran at, where the code between the runs
+    # was measured (no larger than ``bindings``: a declared maximum is planned for before
+    # it runs): the plan serves every step whose runs are no larger than these
+    measured: tuple[Binding, ...] = ()
 
     @property
     def runs(self) -> int:
@@ -106,8 +110,21 @@ def plan_step(
     signature = tuple(r.graph.name for r in runs)
     bindings = tuple(dict(r.graph.binding) for r in runs)
     return StepPlan(
-        signature, programs, composed, plan, first.peak, limit, store_all_peak, bindings
-    )
+        signature, programs, composed, plan, first.peak, limit, store_all_peak, bindings,
+        _measured_at(runs, grown),
+    )  # fmt: skip
+
+
+def _measured_at(runs: list[Run], grown: StepPlan | None) -> tuple[Binding, ...]:
+    """Per run, the sizes the step's plan is known to serve: the run's own, and those of
+    the plan it grew from (``StepPlan.measured``). Not its graph's binding, which may be
+    larger (a declared maximum): what code outside the graphs holds is measured, not
+    derived, so a step larger than any measured is recorded again and its plan checked
+    (kept where it fits: ``_kept_after_growth``)."""
+    if grown is None:
+        return tuple(dict(r.binding) for r in runs)
+    pairs = zip(runs, grown.measured, strict=True)
+    return tuple(larger(r.binding, before) for r, before in pairs)
 
 
 def _left_room(record) -> bool:

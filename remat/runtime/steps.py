@@ -234,10 +234,11 @@ class StepRunner:
     def _step(self, first: Graph, binding: Binding) -> Recording:
         """The step in progress, or a new one starting with ``first``: recorded when no
         joint plan starts with it at sizes covering ``binding`` (new input shapes, or
-        larger sizes), or the last unplanned step was not."""
+        sizes larger than any measured: ``StepPlan.measured``), or the last unplanned step
+        was not."""
         if self.step is None:
             known = any(
-                p.graphs[0] == first.name and covers(p.bindings[0], binding) for p in self.plans
+                p.graphs[0] == first.name and covers(p.measured[0], binding) for p in self.plans
             )
             record = self.record_next or not known
             pending, self._pending = self._pending, None
@@ -389,9 +390,10 @@ class StepRunner:
 
     @staticmethod
     def _serves(plan: StepPlan, step: Recording) -> bool:
-        """Whether ``plan`` serves steps like ``step``: the same runs, none larger."""
+        """Whether ``plan`` serves steps like ``step``: the same runs, none larger than
+        measured."""
         return plan.graphs == step.signature and all(
-            covers(b, r.binding) for b, r in zip(plan.bindings, step.runs, strict=True)
+            covers(b, r.binding) for b, r in zip(plan.measured, step.runs, strict=True)
         )
 
 
