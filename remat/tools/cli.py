@@ -342,7 +342,8 @@ def _add_bench(sub, shared: dict[str, argparse.ArgumentParser]) -> None:
         "remat at each budget with each solver. Per configuration: measured peak memory, "
         "median step time, overhead vs eager, compile time; for remat also the predicted "
         "peak and the solver's gap. torch's budget is a fraction of the bytes it saves, "
-        "remat's a fraction of the store-all peak: compare the curves, not equal budgets.",
+        "remat's a fraction of its store-all peak (or lower: docs/guide.md): compare the "
+        "curves, not equal budgets.",
     )
     bench.add_argument(
         "--budgets",
