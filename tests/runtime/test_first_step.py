@@ -68,7 +68,9 @@ def test_with_the_loss_outside_a_low_budget_is_refused_when_the_step_ends(caplog
     holds the logits to the step's end), so nothing is refused at compile time. The first
     step runs the lowest-peak plan with a warning that does not read like a failure, and
     the refusal at its end names the step's minimum: a retry there fits, and "min" plans
-    no higher (its first step ran other programs, which its recorded step may reflect)."""
+    below store-all. Not compared with each other: each step's minimum depends on the
+    programs its first step ran, which its recorded step reflects (4,718,600 B and
+    5,242,888 B each way round in runs of this test; docs/pipelines.md)."""
     torch.manual_seed(0)
     model, (x, y) = _Logits(), _batch()
     optimized = remat.optimize(model, budget="8KiB")
@@ -86,7 +88,7 @@ def test_with_the_loss_outside_a_low_budget_is_refused_when_the_step_ends(caplog
     for _ in range(2):
         _step(lowest, model, x, y)
     report = lowest.remat.report()
-    assert report.predicted_peak <= report.steps[0].limit <= refusal.value.minimum
+    assert report.predicted_peak <= report.steps[0].limit < report.steps[0].store_all_peak
     torch._dynamo.reset()
     retry = remat.optimize(model, budget=refusal.value.minimum)
     for _ in range(2):

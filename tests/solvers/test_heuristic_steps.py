@@ -293,8 +293,9 @@ def test_exchange_keeps_a_fitting_plan_fitting_and_never_costlier(problem, share
 @given(problem=any_problem(80), share=st.floats(0.0, 1.5))
 def test_least_held_fits_and_holds_the_least_it_can(problem, share):
     """``least_held``: a plan within the limit, found wherever storing everything fits,
-    holding past the forward what recompute-all holds (the least any plan can) wherever
-    recompute-all fits."""
+    holding past the forward no more than recompute-all wherever that fits: recompute-all
+    is one of its candidates, and not always the one that holds least (a hypothesis draw
+    found a plan holding 2,689 B where recompute-all held 2,927 B)."""
     low, high = minimum_peak(problem), store_all(problem).peak
     limit = int(low + share * (high - low))
     found = least_held(problem, limit)
@@ -303,4 +304,4 @@ def test_least_held_fits_and_holds_the_least_it_can(problem, share):
         assert found is not None
     recomputed = evaluate(problem, (), solver="recompute-all")
     if recomputed.peak <= limit:
-        assert held_bytes(problem, found) == held_bytes(problem, recomputed)
+        assert held_bytes(problem, found) <= held_bytes(problem, recomputed)
