@@ -203,9 +203,21 @@ def _overhead(g) -> float:
     return g.plan.recompute_cost / max(fwd_cost, 1e-12)
 
 
+def reference(g) -> str:
+    """What a fraction of the budget was of for graph ``g``: the lowest-peak of store-all,
+    the user's checkpointing and torch's partition (``candidates``), named, with its peak."""
+    named = (("store-all", g.store_all), ("your checkpointing", g.yours),
+             ("torch's partition", g.theirs))  # fmt: skip
+    name, plan = min(((n, p) for n, p in named if p is not None), key=lambda np: np[1].peak)
+    return f"{name} {format_bytes(plan.peak)}"
+
+
 def train_table(args, report, peaks, times, losses) -> str:
     budgets = sorted({g.limit for g in report.graphs})
-    budget = f"{args.budget} = {format_bytes(budgets[0])}" if len(budgets) == 1 else args.budget
+    budget = args.budget
+    if len(budgets) == 1:
+        of = f" of {reference(report.graphs[0])}" if args.budget.fraction is not None else ""
+        budget = f"{args.budget}{of} = {format_bytes(budgets[0])}"
     rows = [
         (
             "peak memory (measured, fwd+bwd)",
