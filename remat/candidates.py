@@ -64,6 +64,12 @@ def user_plan(extracted: Extracted, baseline: Plan) -> Plan | None:
         return None
 
 
+def fraction_reference(store_all: Plan, yours: Plan | None, theirs: Plan | None) -> Plan:
+    """The plan a fraction of the budget is of: the lowest peak of store-all, the user's
+    checkpointing and torch's partition (None where not made), store-all where tied."""
+    return min((p for p in (store_all, yours, theirs) if p is not None), key=lambda p: p.peak)
+
+
 def cheaper_and_fits(candidate: Plan | None, plan: Plan, limit: int) -> bool:
     return candidate is not None and candidate.peak <= limit and candidate.cost < plan.cost
 

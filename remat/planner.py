@@ -30,6 +30,7 @@ from remat.agree import planning_solver
 from remat.cache import PlanCache
 from remat.candidates import (
     cheaper_and_fits,
+    fraction_reference,
     made_under,
     offered,
     remember,
@@ -239,7 +240,7 @@ class Planner:
         if self.solver == "auto":  # a candidate, and what a fraction may be of
             theirs = torch_partition(joint, num_fwd_outputs, extracted, self.cache, theirs_before)
         reserve = outside_reserve(extracted)
-        reference = min(p.peak for p in (baseline, yours, theirs) if p is not None)
+        reference = fraction_reference(baseline, yours, theirs).peak
         agree = not binding
         stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
         limit = self._graph_limit(problem, stored, held, reserve, agree)

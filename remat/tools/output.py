@@ -10,6 +10,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from remat.candidates import TORCH_CANDIDATE, fraction_reference
 from remat.report import uncalibrated
 from remat.solvers import format_bytes
 from remat.values import TOP_LEVEL, module_paths, recomputed
@@ -204,11 +205,10 @@ def _overhead(g) -> float:
 
 
 def reference(g) -> str:
-    """What a fraction of the budget was of for graph ``g``: the lowest-peak of store-all,
-    the user's checkpointing and torch's partition (``candidates``), named, with its peak."""
-    named = (("store-all", g.store_all), ("your checkpointing", g.yours),
-             ("torch's partition", g.theirs))  # fmt: skip
-    name, plan = min(((n, p) for n, p in named if p is not None), key=lambda np: np[1].peak)
+    """What a fraction of the budget was of for graph ``g`` (``fraction_reference``),
+    named, with its peak."""
+    plan = fraction_reference(g.store_all, g.yours, g.theirs)
+    name = {TORCH_CANDIDATE: "torch's partition"}.get(plan.solver, plan.solver)
     return f"{name} {format_bytes(plan.peak)}"
 
 
