@@ -133,7 +133,7 @@ class RematBackend:
         (effect tokens, saved-tensors hooks), and they must be read as they will run."""
         planned: list[CompiledGraph] = []  # the graph of this compile, if it needs gradients
         alone = self.steps.starting() and _ends_its_frame(gm)
-        unseen = bool(_frames_resuming_eagerly())
+        unseen = _resumes_eagerly()
         log.info("remat: tracing the backward of a %d-node forward...", len(gm.graph.nodes))
         tracing = time.perf_counter()
 
@@ -176,25 +176,24 @@ def _ends_its_frame(gm: torch.fx.GraphModule) -> bool:
     return reason is not None and not reason.graph_break
 
 
-def _frames_resuming_eagerly() -> list[str]:
-    """The model's frames (code that is neither torch's nor remat's) paused between a call
-    of a module or function ``remat.optimize`` returned and the frame dynamo compiles now,
-    running their own code, not bytecode dynamo compiled: each runs on eagerly when the
+def _resumes_eagerly() -> bool:
+    """Whether a model frame (code that is neither torch's nor remat's) is paused between a
+    call of a module or function ``remat.optimize`` returned and the frame dynamo compiles
+    now, running its own code, not bytecode dynamo compiled: it runs on eagerly when the
     compiled frame returns, code no graph of the step holds (FSDP2's root module, which
     dynamo skips, between its blocks). A frame dynamo compiled and broke at a call (its
-    rest resumes in graphs of its own) is not one. Empty where no such call is on the
+    rest resumes in graphs of its own) is not one. False where no such call is on the
     stack (the backend handed to ``torch.compile`` directly)."""
     frame = sys._getframe(1)
     while frame is not None and _is_file(frame, _REMAT):  # the backend's own frames
         frame = frame.f_back
-    found = []
+    found = False
     while frame is not None:
         if frame.f_code.co_filename == _API:
             return found  # the optimized call: the frames between are the model's
-        if not _is_file(frame, _TORCH) and not dynamo_compiled_code(frame.f_code):
-            found.append(frame.f_code.co_name)
+        found = found or not (_is_file(frame, _TORCH) or dynamo_compiled_code(frame.f_code))
         frame = frame.f_back
-    return []
+    return False
 
 
 _TORCH = str(Path(torch.__file__).parent) + os.sep
