@@ -1,11 +1,13 @@
 """A benchmark script's rows (a list of flat dicts): chosen by name, shown as they come,
-written as JSON and CSV."""
+written as JSON and CSV; and the parser and models of a script over transformers."""
 
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tabulate import tabulate
@@ -44,3 +46,25 @@ def finished(rows: list[dict], json_path: Path | None, csv_path: Path | None) ->
     """Print every row as one table and write them."""
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     write_rows(rows, json_path, csv_path)
+
+
+def transformers_models(build: Callable) -> dict | None:
+    """``build(transformers)``: a script's models by name; None, having said which extra
+    installs transformers, where it is missing."""
+    try:
+        import transformers
+    except ImportError:
+        print("needs the transformers extra: pip install -e '.[transformers]'", file=sys.stderr)
+        return None
+    return build(transformers)
+
+
+def model_parser(doc: str, known) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first line, ``--models`` (comma-separated, of
+    ``known``, all of them by default), ``--json`` and ``--csv``; the script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--models", default=",".join(known),
+                        help="comma-separated, of: " + ", ".join(known))  # fmt: skip
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--csv", type=Path)
+    return parser

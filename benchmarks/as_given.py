@@ -29,16 +29,14 @@ untimed step of the same configuration.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _output import chosen, finished, shown
+from _output import chosen, finished, model_parser, shown, transformers_models
 from torch.utils.checkpoint import checkpoint
 
 import remat
@@ -193,19 +191,12 @@ def _plain(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def main(argv=None) -> int:
-    try:
-        import transformers
-    except ImportError:
-        print("needs the transformers extra: pip install -e '.[transformers]'", file=sys.stderr)
+    built = transformers_models(models)
+    if built is None:
         return 2
-    built = models(transformers)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(built),
-                        help="comma-separated, of: " + ", ".join(built))  # fmt: skip
+    parser = model_parser(__doc__, built)
     parser.add_argument("--repeat", type=int, default=7, help="timed steps per program")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
     names = chosen(parser, args.models, built)
     torch.set_num_threads(args.threads)

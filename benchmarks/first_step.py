@@ -24,17 +24,15 @@ A budget below what remat can reach is a row naming the minimum it would need.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _output import chosen, finished, shown
+from _output import chosen, finished, model_parser, shown, transformers_models
 
 import remat
 from remat import memory
@@ -161,19 +159,12 @@ def row(name: str, build, fraction: float, compiler: str) -> dict:
 
 
 def main(argv=None) -> int:
-    try:
-        import transformers
-    except ImportError:
-        print("needs the transformers extra: pip install -e '.[transformers]'", file=sys.stderr)
+    built = transformers_models(models)
+    if built is None:
         return 2
-    built = models(transformers)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(built),
-                        help="comma-separated, of: " + ", ".join(built))  # fmt: skip
+    parser = model_parser(__doc__, built)
     parser.add_argument("--budgets", default="0.7,0.5", help="fractions of eager's peak")
     parser.add_argument("--compilers", default="eager,inductor")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
     names = chosen(parser, args.models, built)
     rows: list[dict] = []

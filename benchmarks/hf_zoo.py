@@ -12,14 +12,12 @@ budget below what the model can reach is a row naming the minimum.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _output import chosen, finished, shown
+from _output import chosen, finished, model_parser, shown, transformers_models
 
 import remat
 from remat import memory
@@ -119,18 +117,11 @@ def row(name: str, build, budget: float) -> dict:
 
 
 def main(argv=None) -> int:
-    try:
-        import transformers
-    except ImportError:
-        print("needs the transformers extra: pip install -e '.[transformers]'", file=sys.stderr)
+    models = transformers_models(_models)
+    if models is None:
         return 2
-    models = _models(transformers)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(models), help="comma-separated, of: "
-                        + ", ".join(models))  # fmt: skip
+    parser = model_parser(__doc__, models)
     parser.add_argument("--budgets", default="0.8,0.5")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
     rows: list[dict] = []
     for name in chosen(parser, args.models, models):
