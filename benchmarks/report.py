@@ -328,12 +328,9 @@ def _at_yours(row: dict) -> str:
     return fixed(3)(row["remat at yours peak"] / row["yours peak"])
 
 
-def _over_yours(key: str) -> Callable[[dict], float | None]:
-    return lambda row: None if row.get(key) is None else row[key] / row["yours peak"]
-
-
-def _faster(key: str) -> Callable[[dict], float | None]:
-    return lambda row: None if row.get(key) is None else row[key] / row["yours s"]
+def _ratio(key: str, of: str) -> Callable[[dict], float | None]:
+    """A row's ``key`` over its ``of``; None where the row has no ``key`` (a refusal)."""
+    return lambda row: None if row.get(key) is None else row[key] / row[of]
 
 
 SCRIPT_TABLES: dict[str, list] = {
@@ -368,13 +365,13 @@ SCRIPT_TABLES: dict[str, list] = {
         ("model", "model", plain),
         ("your program: peak", "yours peak", mib),
         ("step s", "yours s", fixed(3)),
-        ("torch.compile / yours", _over_yours("torch.compile peak"), fixed(3)),
+        ("torch.compile / yours", _ratio("torch.compile peak", "yours peak"), fixed(3)),
         ("remat at your peak: peak / yours", _at_yours, plain),
-        ("step / yours", _faster("remat at yours seconds"), fixed(3)),
+        ("step / yours", _ratio("remat at yours seconds", "yours s"), fixed(3)),
         ("solver", "remat at yours solver", plain),
         ("grad error", "remat at yours grad error", significant),
-        ("remat at 1.0: peak / yours", _over_yours("remat 1.0 peak"), fixed(3)),
-        ("step / yours, at 1.0", _faster("remat 1.0 seconds"), fixed(3)),
+        ("remat at 1.0: peak / yours", _ratio("remat 1.0 peak", "yours peak"), fixed(3)),
+        ("step / yours, at 1.0", _ratio("remat 1.0 seconds", "yours s"), fixed(3)),
     ],
     "step_time": [
         ("budget", "budget", plain),
