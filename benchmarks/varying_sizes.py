@@ -11,8 +11,10 @@ static, the second with sizes symbolic, then planned again without a trace where
 grow); remat with the longest length declared (``max_sizes``: every input's length up
 to ``--longest``, traced once and planned once at it); and remat with ``dynamic=False``
 (every length traced and planned, dynamo's recompile limit raised for it). Every step is
-timed; its peak is measured (profiler) except where it traces (planning inside a profiler
-cannot measure kernels' scratch), and its gradients are compared with eager's. Prints one
+timed, and its gradients are compared with eager's. Its peak is measured (profiler) in a
+second pass that reads the first pass's plans from a plan cache: a step that traces runs
+as it did, without measuring kernels inside the profiler (that planning cannot measure
+kernels' scratch), so the first step of every length is measured too. Prints one
 row per step and a summary: the first trace+plan against serving a new size, traces,
 graph plans and step plans per run, the worst peak against the budget, and the run's
 total against the mark: the first two traces of remat as ``optimize`` makes it (the
@@ -26,6 +28,7 @@ import inspect
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,13 +81,15 @@ def declared(model, inputs: tuple, longest: int) -> dict[str, dict[int, int]]:
 
 
 def run(model, inputs, lengths, budget: int | None, options: dict, expected=None):
-    """Two passes over ``lengths``, each from a fresh dynamo, which plan alike (plans are
-    deterministic): one timed, one measured (its peaks; a step that traces is not
-    measured: planning inside a profiler cannot measure kernels' scratch). ``options``:
-    ``optimize``'s ``dynamic`` and ``max_sizes``. Per step its row, and per step the
-    gradients."""
-    timed, _ = _pass(model, inputs, lengths, budget, options, measure=False)
-    measured, grads = _pass(model, inputs, lengths, budget, options, measure=True)
+    """Two passes over ``lengths``, each from a fresh dynamo, sharing a fresh plan cache:
+    one timed, which plans and stores its plans, one measured (its peaks), which reads
+    them, so its tracing steps measure no kernels inside the profiler (which would count
+    their scratch). ``options``: ``optimize``'s ``dynamic`` and ``max_sizes``. Per step its
+    row, and per step the gradients."""
+    with tempfile.TemporaryDirectory() as cache:
+        options = {**options, "cache": cache} if budget is not None else options
+        timed, _ = _pass(model, inputs, lengths, budget, options, measure=False)
+        measured, grads = _pass(model, inputs, lengths, budget, options, measure=True)
     rows = []
     for k, (t, m) in enumerate(zip(timed, measured, strict=True)):
         row = {**t, "peak": m["peak"]}
@@ -101,9 +106,7 @@ def _pass(model, inputs, lengths, budget, options: dict, measure: bool):
     rows, grads, traced, planned, step_plans = [], [], 0, 0, 0
     for k, length in enumerate(lengths):
         rb = getattr(fn, "remat", None)
-        seconds, peak, g = one_step(
-            model, fn, cut(inputs, length), measure and not _traces(k, budget, options)
-        )
+        seconds, peak, g = one_step(model, fn, cut(inputs, length), measure)
         row = {"step": k + 1, "length": length, "seconds": seconds, "peak": peak}
         if rb:
             names, records = len({g.name for g in rb.graphs}), len(rb.graphs)
@@ -114,17 +117,6 @@ def _pass(model, inputs, lengths, budget, options: dict, measure: bool):
         rows.append(row)
         grads.append(g)
     return rows, grads
-
-
-def _traces(k: int, budget: int | None, options: dict) -> bool:
-    """Whether step ``k`` traces: the first; with sizes undeclared under ``dynamic=None``
-    the second too (the symbolic trace); under ``dynamic=False`` every one (each length is
-    new)."""
-    if budget is None:
-        return False
-    if options.get("dynamic") is False:
-        return True
-    return k < (1 if options.get("max_sizes") else 2)
 
 
 def summary(
