@@ -137,12 +137,27 @@ class Sizes:
         """Whether every symbol stands for an input dimension with a declared maximum
         (``declared``: per input, dimension -> maximum): sizes then never grow past the
         binding ``hints`` reads at those maxima."""
+        return not self.unbounded(declared)
+
+    def unbounded(self, declared: Sequence[Mapping[int, int]]) -> tuple[sympy.Symbol, ...]:
+        """The symbols standing for no input dimension with a ``declared`` maximum: sizes
+        that may grow past any binding."""
         marked = {
             s
             for s, k, d in self.appears
             if d is not None and k < len(declared) and d in declared[k]
         }
-        return all(s in marked for s, _, _ in self.where)
+        return tuple(s for s, _, _ in self.where if s not in marked)
+
+
+def guard_at_most(gm: fx.GraphModule, binding: Binding, symbols: Sequence[sympy.Symbol]) -> None:
+    """Guard each of ``symbols`` at most its value in ``binding``, in the ShapeEnv of
+    ``gm``'s sizes: dynamo then traces the code again for a call with a larger size, so
+    no call runs a plan made for smaller sizes. Outside ``no_guards``, inside the
+    compile, before dynamo builds its guards."""
+    env = shape_env_of(gm)
+    for s in symbols:
+        env.evaluate_expr(sympy.Le(s, binding[s]))
 
 
 def covers(planned: Binding, binding: Binding) -> bool:

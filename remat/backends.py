@@ -3,6 +3,7 @@ under the eager compiler, run step by step (``remat.runtime``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ import torch
 from remat.cache import PlanCache
 from remat.compiled import CompiledGraph, GraphPlan
 from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
-from remat.errors import InvalidOption
+from remat.errors import InfeasibleBudget, InvalidOption
 from remat.passes._torch_compat import (
     CompileContext,
     aot_autograd,
@@ -26,11 +27,12 @@ from remat.passes._torch_compat import (
     dynamo_compiled_code,
     inductor,
 )
-from remat.passes.sizes import describe
+from remat.passes.sizes import Sizes, describe, guard_at_most
 from remat.planner import Planner
 from remat.report import PlanReport
 from remat.runtime import StepRunner
 from remat.runtime.programs import add_marker_slot
+from remat.solvers import format_bytes
 from remat.solvers.budget import Budget
 from remat.solvers.solve import Solver
 
@@ -224,6 +226,21 @@ def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
     )
 
 
+def with_headroom(
+    seen: Sequence[tuple | None], declared: Sequence[dict[int, int]]
+) -> list[tuple | None]:
+    """``seen`` (per input, its largest sizes) with every size no maximum was declared
+    for rounded up to a power of two."""
+    out = []
+    for k, sizes in enumerate(seen):
+        maxima = declared[k] if k < len(declared) else {}
+        out.append(None if sizes is None else tuple(
+            v if v is None or v <= 1 or d in maxima else 1 << (v - 1).bit_length()
+            for d, v in enumerate(sizes)
+        ))  # fmt: skip
+    return out
+
+
 class InductorPartitioner(custom_partitioner_base()):
     """Adapter for ``torch._inductor.config.custom_partitioner_fn``: plans each joint graph
     with what earlier frames of the step hold (remat sees no runs under inductor)."""
@@ -239,20 +256,38 @@ class InductorPartitioner(custom_partitioner_base()):
         self.leaves, self.seen, self.declared = leaves, seen, declared
 
     def __call__(self, gm, joint_inputs, *, num_fwd_outputs: int, **_ignored):
-        held = self.planner.held_by_earlier_frames()
-        compiled = self.planner.plan(
-            gm, num_fwd_outputs, leaves=self.leaves, held=held, seen=self.seen
-        )
-        if compiled.sizes and not compiled.sizes.bounded(self.declared):
-            log.warning(
-                "remat %s: planned at %s, the sizes it was traced at; under inductor remat "
-                "sees no runs, so larger sizes run this plan and may exceed the budget "
-                "(compiler='eager' plans again as sizes grow; a declared maximum, "
-                "optimize(..., max_sizes=...), is planned for from the first step)",
+        growing = Sizes.of(gm).unbounded(self.declared)
+        compiled = self._plan(gm, num_fwd_outputs, growing)
+        if growing:  # remat sees no runs here: a larger size must come back as a compile
+            guard_at_most(gm, compiled.binding, growing)
+            log.info(
+                "remat %s: planned at %s, serving every size up to it; a larger one "
+                "traces and plans again (a declared maximum, optimize(..., max_sizes=...), "
+                "is planned for once)",
                 compiled.record.name,
                 describe(compiled.binding),
             )
         return compiled.forward, compiled.backward
+
+    def _plan(self, gm, num_fwd_outputs: int, growing: Sequence) -> CompiledGraph:
+        """``gm`` planned at the largest sizes seen, those that may grow rounded up to a
+        power of two (``with_headroom``) where the budget allows it there: each doubling
+        costs inductor a compile, where each new largest size would."""
+        held = self.planner.held_by_earlier_frames()
+        plan = functools.partial(
+            self.planner.plan, gm, num_fwd_outputs, leaves=self.leaves, held=held
+        )
+        if growing:
+            try:
+                return plan(seen=with_headroom(self.seen, self.declared), tentative=True)
+            except InfeasibleBudget as refusal:
+                log.info(
+                    "remat %s: at a power of two above the sizes seen its lowest peak found, "
+                    "%s, is above the budget: planned at the sizes seen",
+                    refusal.graph,
+                    format_bytes(refusal.minimum),
+                )
+        return plan(seen=self.seen)
 
     def __deepcopy__(self, memo):
         # inductor snapshots its config by deep copy; the planner and its plans are

@@ -128,6 +128,7 @@ class Planner:
         stored_peak: int = 0,
         alone: bool = False,
         unseen: bool = False,
+        tentative: bool = False,
     ) -> CompiledGraph:
         """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
         rewrite it into programs.
@@ -143,6 +144,8 @@ class Planner:
         the widest room it can (``first_step.widest_room``). A graph with symbolic sizes is planned
         at the sizes it was traced at, or larger ones an earlier trace of its code ran at (``seen``,
         per input of the joint graph: ``Sizes.hints``); ``replan`` plans it again at larger ones.
+        ``tentative``: the caller plans otherwise where this is refused, so a refusal comes
+        cheap (where the greedy finds no plan under the limit, no solve; none names a minimum).
         """
         start = time.perf_counter()
         self.budget = on_device(self.budget, _device_of(joint))  # "device": bytes from now on
@@ -167,6 +170,7 @@ class Planner:
             record = self._plan_at(
                 joint, num_fwd_outputs, name, binding, held, leaves, compile_id,
                 held_stored=held_stored, stored_peak=stored_peak, alone=alone, unseen=unseen,
+                tentative=tentative,
             )  # fmt: skip
             solved = time.perf_counter()
             eager = self.compiler == "eager"
@@ -223,6 +227,7 @@ class Planner:
         alone: bool = False,
         unseen: bool = False,
         theirs_before: Plan | None = None,
+        tentative: bool = False,
     ) -> GraphPlan:
         """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
         measured): ``kept`` (an earlier binding's plan) where it still fits, else the
@@ -273,6 +278,7 @@ class Planner:
                 whole,
                 reference,
                 reserve if room is None else room,
+                tentative,
             )
             if room is None and self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
@@ -335,13 +341,15 @@ class Planner:
         whole: bool = False,
         reference: int | None = None,
         reserve: int = 0,
+        tentative: bool = False,
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits), room for
         the code after the graph kept (``first_step.with_room``). Where none fits: refused
         where no step is planned as one (inductor) or the graph is the ``whole`` step
         (before anything runs), else the lowest-peak plan: the step planned as one at its
         end fits or names the step's minimum, which can be below the graph's (904 B against
-        912 B: a graph holds its outputs to the step's end). ``held``: earlier graphs'."""
+        912 B: a graph holds its outputs to the step's end). ``held``: earlier graphs'.
+        ``tentative``: as ``plan`` takes it."""
         room = with_room(problem, reserve) if reserve else None
         planned = problem if room is None else room.problem
 
@@ -352,14 +360,16 @@ class Planner:
         def own(plan: Plan) -> Plan:
             return plan if room is None else own_plan(room, plan, problem)
 
+        solver = self.solver
+        if solver in CPSAT_SOLVERS and (tentative or self.joint_follows and not whole):
+            solver = functools.partial(SOLVERS[solver], probes=0)  # a refusal names no minimum
+        if tentative and (lowest := min_peak_plan(planned)).peak > limit:
+            raise InfeasibleBudget(limit, lowest.peak, store_all(planned).peak, name)
         if whole or not self.joint_follows:
             try:
-                return own(solve(planned, limit, self._cached(self.solver, agree), offered))
+                return own(solve(planned, limit, self._cached(solver, agree), offered))
             except InfeasibleBudget as refusal:
                 raise with_the_rest(refusal, held, reference) from None
-        solver = self.solver
-        if solver in CPSAT_SOLVERS:  # a refusal here names no minimum: skip that search
-            solver = functools.partial(SOLVERS[solver], probes=0)
         try:
             return own(solve(planned, limit, self._cached(solver, agree), offered))
         except InfeasibleBudget:

@@ -95,3 +95,65 @@ def test_a_smaller_last_batch_is_a_size_that_varies_too():
     # traced at its first sizes, then with the length symbolic, then the batch size too
     assert {g.name for g in optimized.remat.graphs} <= {"graph0", "graph1", "graph2"}
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_under_inductor_a_larger_size_traces_again_and_each_plan_covers_a_power_of_two():
+    torch._dynamo.reset()
+    model, rows = _deep_mlp()
+    budget = 3_000_000  # bytes: binding from about 700 rows (eager at 1024: 4.46 MB)
+    optimized = remat.optimize(model, budget=budget, cache=False, compiler="inductor")
+    planned = []
+    for n in (300, 400, 480, 512, 800, 600, 1024):  # static at 300, symbolic at 400
+        _inductor_step_keeps(model, optimized, rows[:n], budget)
+        planned.append(len(optimized.remat.graphs))
+    # 480 and 512 run the plan made for 512; 800 traces again, planned for 1024
+    assert planned == [1, 2, 2, 2, 3, 3, 3]
+    sizes = [sorted(dict(g.binding).values()) for g in optimized.remat.graphs[1:]]
+    assert sizes == [[512], [1024]]
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_under_inductor_a_power_of_two_over_the_budget_plans_at_the_size_seen():
+    torch._dynamo.reset()
+    model, rows = _deep_mlp()
+    budget = 2_300_000  # bytes: below the lowest peak at 1024 rows (2.40 MB), not at 800
+    optimized = remat.optimize(model, budget=budget, cache=False, compiler="inductor")
+    for n in (300, 400, 800):
+        _inductor_step_keeps(model, optimized, rows[:n], budget)
+    sizes = [sorted(dict(g.binding).values()) for g in optimized.remat.graphs[1:]]
+    assert sizes == [[512], [800]]
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_under_inductor_a_declared_maximum_is_traced_and_planned_once():
+    torch._dynamo.reset()
+    model, rows = _deep_mlp()
+    budget = 3_000_000
+    optimized = remat.optimize(
+        model, budget=budget, cache=False, compiler="inductor", max_sizes={"input": {0: 1024}}
+    )
+    for n in (300, 800, 1024, 500):
+        _inductor_step_keeps(model, optimized, rows[:n], budget)
+    assert [sorted(dict(g.binding).values()) for g in optimized.remat.graphs] == [[1024]]
+    torch._dynamo.reset()
+
+
+def _deep_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Eight narrow layers: activations outweigh the weights, so a budget binds."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(64, 1)), torch.randn(1024, 64)
+
+
+def _inductor_step_keeps(model, optimized, rows: torch.Tensor, budget: int) -> None:
+    """A step at ``rows`` (the one that compiles runs first, outside a profiler) peaks
+    within inductor's 1.05 of the budget with eager's gradients."""
+    optimized(rows).sum().backward()
+    peak, grads = _step(model, lambda x: optimized(x).sum(), (rows,))
+    assert peak <= 1.05 * budget, (len(rows), peak)
+    expected = _step(model, lambda x: model(x).sum(), (rows,))[1]
+    pairs = zip(grads, expected, strict=True)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs), len(rows)
