@@ -5,6 +5,8 @@ Ranks of a DDP or FSDP2 job trace the same graphs, but a solver with a time limi
 model times kernels per machine. Each plan is therefore compared across ranks (a hash
 each) and where they differ every rank takes rank 0's, derived again from its
 saved values on its own problem (``solvers.solve`` then checks it like any other plan).
+Ranks that traced other sizes (each pads its own batch) have problems of other bytes:
+each keeps its own plan, which rank 0's need not fit, and a refusal on any stops all.
 Every rank must plan the same graphs in the same order, as it does when all trace one
 model: each solve is one round on the default process group's key-value store.
 
@@ -54,7 +56,7 @@ def agreeing(solver: str | Solver) -> Solver:
             return chosen
         raise refusal or InfeasibleBudget(
             limit, min_peak_plan(problem).peak, store_all(problem).peak, problem.name,
-            note="Rank 0 found no plan under it, and every rank follows rank 0.",
+            note="Another rank found no plan under it, and every rank stops alike.",
         )  # fmt: skip
 
     agreed.__name__ = getattr(run, "__name__", "solver")
@@ -63,7 +65,9 @@ def agreeing(solver: str | Solver) -> Solver:
 
 def agree(problem: Problem, plan: Plan | None, limit: int) -> Plan | None:
     """``plan`` (None: refused) if every rank's is the same, else rank 0's, derived on this
-    rank's problem."""
+    rank's problem; each rank's own where the ranks' problems differ in bytes (each rank
+    traced its own sizes: a DDP job whose ranks pad their own batches), as rank 0's plan
+    need not fit another rank's sizes."""
     mine = None if plan is None else (
         sorted(plan.saved), list(plan.schedule.backward) if plan.ordered else None
     )  # fmt: skip
@@ -72,8 +76,12 @@ def agree(problem: Problem, plan: Plan | None, limit: int) -> Plan | None:
     # process group starts again at 1
     round_ = f"remat/agree/{store.add(f'remat/agreements/{rank}', 1)}"
     store.set(f"{round_}/{rank}", digest(mine))
+    store.set(f"{round_}/{rank}/bytes", digest([n.bytes for n in problem.nodes]))
     keys = [f"{round_}/{r}" for r in range(dist.get_world_size())]
-    store.wait(keys)
+    store.wait(keys + [f"{k}/bytes" for k in keys])
+    if len(set(store.multi_get([f"{k}/bytes" for k in keys]))) > 1:
+        refused = digest(None).encode() in store.multi_get(keys)
+        return None if refused else plan  # a refusal anywhere stops every rank alike
     if len(set(store.multi_get(keys))) == 1:
         return plan
     if rank == 0:

@@ -169,12 +169,61 @@ def _peaks_over_starts(events: list[tuple[int, int, int, int]]) -> list[int]:
 
 def ddp_twice(rank: int, world: int) -> dict:
     """``ddp`` with remat's default solver, then with ``rank_dependent``, then
-    ``ddp_in_use`` (one spawn)."""
+    ``ddp_in_use``, then ``ddp_lengths`` (one spawn)."""
     first = ddp(rank, world)
     torch._dynamo.reset()
     second = ddp(rank, world, solver=rank_dependent)
     torch._dynamo.reset()
-    return {"auto": first, "rank_dependent": second, "in_use": ddp_in_use(rank, world)}
+    in_use = ddp_in_use(rank, world)
+    torch._dynamo.reset()
+    lengths = ddp_lengths(rank, world)
+    return {"auto": first, "rank_dependent": second, "in_use": in_use, "lengths": lengths}
+
+
+# Per step, each rank's length, as padding each rank's own batch to its longest row gives:
+# they differ across ranks, and each rank's grows once after its symbolic trace (step 2)
+LENGTHS = ((24, 28), (20, 16), (30, 31), (26, 25))
+
+
+def ddp_lengths(rank: int, world: int) -> dict:
+    """``ddp`` on batches each rank cuts to its own length per step (``LENGTHS``), under an
+    absolute budget, beside one process's copy on both ranks' batches (the mean of the
+    ranks' losses, as DDP averages their gradients): per step the largest gradient
+    difference, and from the third (the first two trace) the measured peak and whether
+    this rank's length was longer than any before."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, _ = examples.load("gpt", batch=BATCH, **SIZES)
+    reference = copy.deepcopy(model)
+    budget = 6_600_000  # bytes, on each rank: binding at 31 tokens (store-all 7.2 MB)
+    optimized = remat.optimize(DistributedDataParallel(model, bucket_cap_mb=1), budget=budget)
+    peaks, diffs, grew, longest = [], [], [], 0
+    for step, ((x, y), lengths) in enumerate(zip(_batches(world), LENGTHS, strict=True)):
+        rows = [slice(r * BATCH, (r + 1) * BATCH) for r in range(world)]
+        mine = (x[rows[rank], : lengths[rank]], y[rows[rank], : lengths[rank]])
+        model.zero_grad(set_to_none=True)
+        if step < 2:  # traced and planned: not inside a profiler
+            optimized(*mine).backward()
+        else:
+            peaks.append(memory.peak(lambda m=mine: optimized(*m).backward()).peak_bytes)
+            grew.append(lengths[rank] > longest)
+        longest = max(longest, lengths[rank])
+        reference.zero_grad(set_to_none=True)
+        sum(reference(x[r, :n], y[r, :n]) for r, n in zip(rows, lengths, strict=True)).div(
+            world
+        ).backward()
+        diffs.append(max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ))  # fmt: skip
+    report = optimized.remat.report()
+    return {
+        "peaks": peaks,
+        "grew": grew,
+        "budget": budget,
+        "grad_diffs": diffs,
+        "planned at": [dict(g.binding) for g in report.graphs if g.binding],
+    }
 
 
 def _sharded():

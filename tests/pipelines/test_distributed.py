@@ -73,6 +73,24 @@ def test_ddp_keeps_the_budget_from_the_second_step_in_memory_in_use(ddp):
 
 
 @pytest.mark.slow
+def test_ddp_ranks_of_their_own_lengths_each_keep_the_budget(ddp):
+    """Each rank pads its own batch (``ranks.ddp_lengths``): its graphs are traced at its
+    sizes, then symbolic, and planned for its own longest length, with no plan agreement
+    a rank's growth would wait on; the gradients are those of one process on both ranks'
+    batches, and every measured step keeps the budget but the first at a longer length
+    than any before, which runs each bucket graph's own plan (docs/guide.md, "Sizes that
+    vary": what does not hold yet)."""
+    results = [r["lengths"] for r in ddp]
+    for rank, r in enumerate(results):
+        assert max(r["grad_diffs"]) < TOLERANCE
+        assert r["grew"] == [True, False]
+        kept = [peak for peak, grew in zip(r["peaks"], r["grew"], strict=True) if not grew]
+        assert all(peak <= r["budget"] + GLOO_NOISE for peak in kept), r["peaks"]
+        longest = max(n[rank] for n in ranks.LENGTHS)
+        assert longest in {v for b in r["planned at"] for v in b.values()}, r["planned at"]
+
+
+@pytest.mark.slow
 def test_ranks_that_plan_differently_take_rank_0s_plan(ddp):
     """A solver whose plans differ by rank (as CP-SAT out of time may): each plan is
     compared across ranks and rank 1 takes rank 0's, so the step plans' hashes agree."""
