@@ -193,19 +193,21 @@ class Planner:
         held: int = 0,
         held_stored: int = 0,
         stored_peak: int = 0,
+        followed: bool = False,
     ) -> GraphPlan:
         """``compiled``'s graph planned again at ``binding``, larger sizes than it was
         planned for (no trace: its programs serve every size). Its plan is kept where it
         still fits, which costs no solve and no new programs; else solved anew, with the
-        kept plan as a candidate. The caller rewrites the plan into programs where it is
-        new (``remat.runtime``)."""
+        kept plan as a candidate. ``followed``: other graphs of its step run after it, so
+        it keeps them the widest room it can (as ``plan``'s ``unseen``). The caller
+        rewrites the plan into programs where it is new (``remat.runtime``)."""
         r = compiled.record
         grown = r.extracted.grown(compiled.binding, binding)
         with no_guards(compiled.joint):
             record = self._plan_at(
                 compiled.joint, compiled.num_fwd_outputs, r.name, binding, held, r.leaves,
                 r.compile_id, r.plan, grown, held_stored=held_stored, stored_peak=stored_peak,
-                unseen=r.room is not None, theirs_before=r.theirs,
+                unseen=r.room is not None or followed, theirs_before=r.theirs,
             )  # fmt: skip
         self._log(record, binding)
         return record
@@ -250,7 +252,8 @@ class Planner:
         stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
         limit = self._graph_limit(problem, stored, held, reserve, agree)
         room = widest_room(problem, limit + reserve, reserve) if unseen else None  # same share
-        plan = still_fitting(problem, kept, limit)
+        # a kept plan fits the limit, not the room: with one, it is a candidate only
+        plan = still_fitting(problem, kept, limit) if room is None else None
         if plan is None:
             log.info(
                 "remat %s: solving %d nodes under %s (solver %s)...",

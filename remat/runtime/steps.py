@@ -57,7 +57,7 @@ from remat.solvers.solve import Solver
 
 log = logging.getLogger("remat")
 
-Replan = Callable[[CompiledGraph, Binding, int, int, int], GraphPlan]  # ``Planner.replan``
+Replan = Callable[[CompiledGraph, Binding, int, int, int, bool], GraphPlan]  # ``Planner.replan``
 
 
 class StepRunner:
@@ -221,14 +221,18 @@ class StepRunner:
     def _grow(self, graph: Graph, binding: Binding) -> None:
         """``graph`` runs at sizes larger than it was planned for: planned again at sizes
         covering both (warned once per graph: it costs a solve where the plan no longer
-        fits), before anything of the run allocates."""
+        fits), before anything of the run allocates. Where other graphs of its step run
+        after it (a graph break, DDP's buckets), it keeps them the widest room it can, as
+        a first step does: their needs at the new sizes are unknown until the step,
+        recorded, is planned as one at its end."""
         if self.replan is None:
             raise AssertionError(f"remat {graph.name}: sizes grew with no planner to replan")
         grown = larger(graph.binding, binding)
         log.info("remat %s: sizes grew to %s: planning again", graph.name, describe(grown))
+        followed = any(graph.name in p.graphs[:-1] for p in self.plans)
         with self.paused():
             held, stored = self.held_now(), self.held_now(stored=True)
-            record = self.replan(graph.compiled, grown, held, stored, self.stored_peak())
+            record = self.replan(graph.compiled, grown, held, stored, self.stored_peak(), followed)
             graph.grow(record, grown)
 
     def _step(self, first: Graph, binding: Binding) -> Recording:

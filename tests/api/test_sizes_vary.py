@@ -97,6 +97,34 @@ def test_a_smaller_last_batch_is_a_size_that_varies_too():
     torch._dynamo.reset()
 
 
+class _Halves(torch.nn.Module):
+    """Two stacks of narrow layers with a graph break between: a step of two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _deep_mlp()[0][:8], _deep_mlp()[0][8:16]
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h).square().mean()
+
+
+@pytest.mark.slow
+def test_a_step_of_two_graphs_keeps_the_budget_at_the_first_step_of_a_larger_size():
+    torch._dynamo.reset()
+    model, rows = _Halves(), torch.randn(1024, 64)
+    budget = 2_000_000  # bytes: binding from about 450 rows (eager at 1024: 5.24 MB)
+    optimized = remat.optimize(model, budget=budget, cache=False)
+    for n in (300, 400):  # the static traces, then the symbolic ones (outside a profiler)
+        optimized(rows[:n]).backward()
+    for n in (800, 600, 1024, 700):  # 800 and 1024: each graph planned again mid-step
+        peak, grads = _step(model, optimized, (rows[:n],))
+        assert peak <= budget, (n, peak)  # the first graph kept the second room
+        assert _same(grads, _step(model, model, (rows[:n],))[1]), n
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_under_inductor_a_larger_size_traces_again_and_each_plan_covers_a_power_of_two():
     torch._dynamo.reset()
