@@ -71,7 +71,8 @@ def restore_traced_layouts(joint: fx.GraphModule, run_kernel: KernelStrides) -> 
                 continue
         else:
             for source in node.all_input_nodes:
-                if source in real and source.meta["val"].is_contiguous():
+                traced = source.meta["val"]
+                if source in real and traced.is_contiguous() and not _dense(traced, real[source]):
                     _read_copy(graph, node, source, copies)
             if not (any(a in real for a in node.all_input_nodes) or _not_contiguous(fake)):
                 continue
@@ -122,9 +123,36 @@ def _is_plain_view(node: fx.Node) -> bool:
 
 
 def _not_contiguous(fake) -> bool:
-    """A fake output (or one of several) laid out otherwise than contiguously."""
+    """A fake output (or one of several) laid out otherwise than contiguously, a
+    dimension of size 1 with a stride of its own included: torch calls a (4, 8, 1) tensor
+    of strides (8, 1, 8) contiguous, but a convolution reads it as channels-last and runs
+    another kernel, of other scratch, than on strides (8, 1, 1)."""
     values = fake if isinstance(fake, (tuple, list)) else (fake,)
-    return any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in values)
+    return any(
+        isinstance(v, torch.Tensor) and _strides(v) != _contiguous_strides(v) for v in values
+    )
+
+
+def _dense(fake: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether ``strides`` lay ``fake``'s elements out contiguously as torch reads it (a
+    dimension of size 1 may have any stride): the same bytes, so a view taken of one is
+    a view of the other and no copy is needed; only kernels' choices differ."""
+    shape = [hint(n) for n in fake.shape]
+    expected = 1
+    for size, stride in reversed(list(zip(shape, strides, strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _contiguous_strides(fake: torch.Tensor) -> tuple[int, ...]:
+    """The strides a contiguous tensor of ``fake``'s shape has, size-1 dimensions too."""
+    out, expected = [], 1
+    for size in reversed([hint(n) for n in fake.shape]):
+        out.append(expected)
+        expected *= max(size, 1)
+    return tuple(reversed(out))
 
 
 def _replayed(view: fx.Node, base_strides: tuple[int, ...]) -> tuple[int, ...] | None:
