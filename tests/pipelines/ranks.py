@@ -186,17 +186,33 @@ LENGTHS = ((24, 28), (20, 16), (30, 31), (26, 25))
 
 
 def ddp_lengths(rank: int, world: int) -> dict:
-    """``ddp`` on batches each rank cuts to its own length per step (``LENGTHS``), under an
-    absolute budget, beside one process's copy on both ranks' batches (the mean of the
-    ranks' losses, as DDP averages their gradients): per step the largest gradient
-    difference, and from the third (the first two trace) the measured peak and whether
-    this rank's length was longer than any before."""
+    """DDP on batches each rank cuts to its own length per step (``_lengths``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     model, _ = examples.load("gpt", batch=BATCH, **SIZES)
     reference = copy.deepcopy(model)
     budget = 6_600_000  # bytes, on each rank: binding at 31 tokens (store-all 7.2 MB)
     optimized = remat.optimize(DistributedDataParallel(model, bucket_cap_mb=1), budget=budget)
+    return _lengths(model, optimized, reference, rank, world, budget, lambda p: p.grad)
+
+
+def fsdp2_lengths(rank: int, world: int) -> dict:
+    """FSDP2 on batches each rank cuts to its own length per step (``_lengths``)."""
+    model, reference = _sharded()
+    budget = FSDP2_LENGTHS_BUDGET
+    optimized = remat.optimize(model, budget=budget)
+    return _lengths(model, optimized, reference, rank, world, budget, _full_grad)
+
+
+FSDP2_LENGTHS_BUDGET = 7_600_000  # bytes, on each rank: binding at 31 tokens (store-all 8.3 MB)
+
+
+def _lengths(model, optimized, reference, rank: int, world: int, budget: int, local_grad):
+    """``optimized`` trained on batches each rank cuts to its own length per step
+    (``LENGTHS``) under an absolute ``budget``, beside one process's copy on both ranks'
+    batches (the mean of the ranks' losses, as the ranks average their gradients): per
+    step the largest gradient difference, and from the third (the first two trace) the
+    measured peak and whether this rank's length was longer than any before."""
     peaks, diffs, grew, longest = [], [], [], 0
     for step, ((x, y), lengths) in enumerate(zip(_batches(world), LENGTHS, strict=True)):
         rows = [slice(r * BATCH, (r + 1) * BATCH) for r in range(world)]
@@ -213,7 +229,7 @@ def ddp_lengths(rank: int, world: int) -> dict:
             world
         ).backward()
         diffs.append(max(
-            (p.grad - q.grad).abs().max().item()
+            (local_grad(p) - q.grad).abs().max().item()
             for p, q in zip(model.parameters(), reference.parameters(), strict=True)
         ))  # fmt: skip
     report = optimized.remat.report()
@@ -253,11 +269,14 @@ def fsdp2(rank: int, world: int) -> dict:
     # the same budget in bytes: the first step's plans get what the step's own limit leaves
     # them, where a fraction is of the store-all peak seen so far (the graph's, smaller)
     in_bytes = _first_step(rank, world, fraction["budget"])
+    gathers, refused = _all_gather_bytes(model, world), _refused_then_fits(model, rank)
+    torch._dynamo.reset()
     return {
         **result,
-        "gathers": _all_gather_bytes(model, world),
-        "refused": _refused_then_fits(model, rank),
+        "gathers": gathers,
+        "refused": refused,
         "first": {"fraction": fraction, "bytes": in_bytes},
+        "lengths": fsdp2_lengths(rank, world),
     }
 
 

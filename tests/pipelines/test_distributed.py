@@ -79,7 +79,10 @@ def test_ddp_ranks_of_their_own_lengths_each_keep_the_budget(ddp):
     a rank's growth would wait on; the gradients are those of one process on both ranks'
     batches, and every measured step keeps the budget, the first at a longer length than
     any before too (its first bucket graph, planned again, keeps the later one room)."""
-    results = [r["lengths"] for r in ddp]
+    _own_lengths_keep_the_budget([r["lengths"] for r in ddp])
+
+
+def _own_lengths_keep_the_budget(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         assert max(r["grad_diffs"]) < TOLERANCE
         assert r["grew"] == [True, False]
@@ -159,3 +162,11 @@ def test_fsdp2_first_step_keeps_the_budget(fsdp2):
             assert is_prediction(first["peak"], first["first_predicted"], r["gathers"])
             assert first["peak"] <= first["budget"] + GLOO_NOISE + max(r["gathers"])
             assert first["grad_diff"] < TOLERANCE
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_of_their_own_lengths_each_keep_the_budget(fsdp2):
+    """``test_ddp_ranks_of_their_own_lengths_each_keep_the_budget`` under FSDP2
+    (``ranks.fsdp2_lengths``): unagreed plans, each rank's for its own sizes, run
+    beside FSDP2's all-gathers without a hang, with one process's gradients."""
+    _own_lengths_keep_the_budget([r["lengths"] for r in fsdp2])
