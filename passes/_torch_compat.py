@@ -201,7 +201,12 @@ def aot_autograd(**kwargs):
 
 def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
     """Compile ``gm`` with inductor, partitioned by ``partitioner`` (a
-    ``CustomPartitionerFn``) or, when None, by torch's own min-cut."""
+    ``CustomPartitionerFn``) or, when None, by torch's own min-cut. With a partitioner,
+    inductor's C++ backend fuses no two kernels of which neither reads the other
+    (``cpp.max_horizontal_fusion_size``): such a fusion computes values the partition
+    schedules apart at once, holding its inputs and outputs together (docs/benchmarks.md,
+    "The first step with the loss outside"). A config patch, not a context: inductor
+    compiles the backward when it first runs, with the patches it was given."""
     with needed():
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
@@ -209,7 +214,10 @@ def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
     if partitioner is None:
         return compile_fx(gm, example_inputs)
     with config.patch(custom_partitioner_fn=partitioner):
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=NO_HORIZONTAL_FUSION)
+
+
+NO_HORIZONTAL_FUSION = {"cpp.max_horizontal_fusion_size": 1}
 
 
 def custom_partitioner_base() -> type:
