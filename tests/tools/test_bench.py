@@ -258,7 +258,9 @@ def test_bench_under_inductor_compiles_each_budget_and_checks_gradients(monkeypa
     assert [r.error for r in rows] == [None] * 5, rows
     assert all(r.grad_error is not None and r.grads_ok for r in rows), rows
     assert [r.grad_reference for r in rows] == ["eager"] + ["torch.compile"] * 4
-    assert len(compiled) == 5  # the reference, torch at 1 and 0.8, remat at 1 and 0.8
+    # the reference, torch at 1 and 0.8, remat at 1 and 0.8 (remat's config patches make
+    # compile_fx call itself once more with the same graph)
+    assert len({id(gm) for gm in compiled}) == 5
 
 
 @pytest.mark.slow
