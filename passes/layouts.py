@@ -138,12 +138,8 @@ def _dense(fake: torch.Tensor, strides: tuple[int, ...]) -> bool:
     dimension of size 1 may have any stride): the same bytes, so a view taken of one is
     a view of the other and no copy is needed; only kernels' choices differ."""
     shape = [hint(n) for n in fake.shape]
-    expected = 1
-    for size, stride in reversed(list(zip(shape, strides, strict=True))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    pairs = zip(shape, strides, _contiguous_strides(fake), strict=True)
+    return all(size == 1 or stride == wanted for size, stride, wanted in pairs)
 
 
 def _contiguous_strides(fake: torch.Tensor) -> tuple[int, ...]:

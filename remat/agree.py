@@ -78,11 +78,13 @@ def agree(problem: Problem, plan: Plan | None, limit: int) -> Plan | None:
     store.set(f"{round_}/{rank}", digest(mine))
     store.set(f"{round_}/{rank}/bytes", digest([n.bytes for n in problem.nodes]))
     keys = [f"{round_}/{r}" for r in range(dist.get_world_size())]
-    store.wait(keys + [f"{k}/bytes" for k in keys])
-    if len(set(store.multi_get([f"{k}/bytes" for k in keys]))) > 1:
-        refused = digest(None).encode() in store.multi_get(keys)
+    sizes = [f"{k}/bytes" for k in keys]
+    store.wait(keys + sizes)
+    plans = store.multi_get(keys)
+    if len(set(store.multi_get(sizes))) > 1:
+        refused = digest(None).encode() in plans
         return None if refused else plan  # a refusal anywhere stops every rank alike
-    if len(set(store.multi_get(keys))) == 1:
+    if len(set(plans)) == 1:
         return plan
     if rank == 0:
         store.set(f"{round_}/chosen", pickle.dumps(_outcome(mine, plan)))

@@ -390,22 +390,19 @@ def test_a_split_of_a_transposed_input_then_batchnorm_and_conv_measures_its_pred
 # 0.5 the first step's refusal named 1,544 B, the graph's minimum; a retry there is refused
 # at the step's end naming 1,640 B, the step's (the input's gradient held beside it). The
 # first refusal should name the step's. Strict, so the fix turns this red.
-INPUT_GRAD_MINIMUM = fuzz.ModelSpec(
-    source=textwrap.dedent(
-        """
-        class FuzzModel(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.m1 = nn.Embedding(10, 8)
-                self.m2 = nn.Linear(8, 8)
+INPUT_GRAD_MINIMUM = _spec(
+    """
+    class FuzzModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m1 = nn.Embedding(10, 8)
+            self.m2 = nn.Linear(8, 8)
 
-            def forward(self, v0, ids, idx, gidx):
-                v2 = self.m2(self.m1(ids))
-                v3 = v0.transpose(1, 2)
-                return v2.index_select(-1, idx).square().mean() + v3.square().mean()
-        """
-    ),
-    seed=0,
+        def forward(self, v0, ids, idx, gidx):
+            v2 = self.m2(self.m1(ids))
+            v3 = v0.transpose(1, 2)
+            return v2.index_select(-1, idx).square().mean() + v3.square().mean()
+    """,
     x_shape=(4, 2, 4, 4),
     x_requires_grad=True,
 )
