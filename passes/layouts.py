@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import op_schema
+from .extract import is_tangent
 from .sizes import hint
 
 aten = torch.ops.aten
@@ -149,6 +150,56 @@ def _contiguous_strides(fake: torch.Tensor) -> tuple[int, ...]:
         out.append(expected)
         expected *= max(size, 1)
     return tuple(reversed(out))
+
+
+def copied_into_grad(
+    joint: fx.GraphModule, num_fwd_outputs: int, leaf_inputs: frozenset[int]
+) -> int:
+    """Bytes of the largest gradient autograd copies into its leaf's ``.grad`` rather than
+    taking it, read at the binding being read (``sizes.reading_at``): one laid out otherwise
+    than its leaf (AccumulateGrad's layout contract), e.g. a transposed input's. The copy
+    is live beside the backward's outputs once the backward returns. ``leaf_inputs``:
+    positions of the joint graph's inputs that are leaves needing a gradient; their
+    gradients are the outputs after the forward's, in input order."""
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
+    (outputs,) = joint.graph.find_nodes(op="output")[0].args
+    grads = outputs[num_fwd_outputs:]
+    if len(grads) != len(primals):  # inputs AOTAutograd added: positions unknown
+        return 0
+    copied = [
+        hint(grad.numel()) * grad.element_size()
+        for k in leaf_inputs
+        if k < len(grads)
+        and isinstance(grads[k], fx.Node)
+        and isinstance(grad := grads[k].meta.get("val"), torch.Tensor)
+        and not _obeys_layout(grad, primals[k].meta.get("val"))
+    ]
+    return max(copied, default=0)
+
+
+def _obeys_layout(grad: torch.Tensor, leaf: object) -> bool:
+    """AccumulateGrad's layout contract (torch/csrc/autograd/utils/grad_layout_contract.h):
+    strided as its dense leaf (a dimension of size 1 has any stride but 0), or contiguous
+    where the leaf is not dense."""
+    if not isinstance(leaf, torch.Tensor):
+        return True
+    sizes, strides = [hint(n) for n in grad.shape], _strides(grad)
+    if not _dense_somehow(leaf):
+        return _dense(grad, strides)
+    pairs = zip(sizes, strides, _strides(leaf), strict=True)
+    return all(stride != 0 if size == 1 else stride == theirs for size, stride, theirs in pairs)
+
+
+def _dense_somehow(fake: torch.Tensor) -> bool:
+    """Non-overlapping and dense: contiguous in some order of its dimensions."""
+    sizes = [hint(n) for n in fake.shape]
+    pairs = sorted((s, n) for s, n in zip(_strides(fake), sizes, strict=True) if n != 1)
+    expected = 1
+    for stride, size in pairs:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _replayed(view: fx.Node, base_strides: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from remat.cache import PlanCache
-from remat.compiled import CompiledGraph, GraphPlan
+from remat.compiled import CompiledGraph, GraphPlan, Leaves
 from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
 from remat.errors import InfeasibleBudget, InvalidOption
 from remat.passes._torch_compat import (
@@ -128,7 +128,7 @@ class RematBackend:
             seen.append(self._largest.get(key))
         return seen
 
-    def _compile_eager(self, gm, example_inputs, leaves: frozenset[tuple[int, int]], seen: list):
+    def _compile_eager(self, gm, example_inputs, leaves: Leaves, seen: list):
         """AOTAutograd with remat's partition: the graph it plans goes to the step runner,
         whose forward and backward run it. The runner takes the graph when its forward is
         compiled, not at the partition: AOTAutograd may edit the programs in between
@@ -216,13 +216,14 @@ def _concrete(value) -> tuple[int | None, ...] | None:
     return None
 
 
-def _leaves_needing_grad(inputs: Sequence) -> frozenset[tuple[int, int]]:
-    """(identity, bytes) of the inputs autograd accumulates a gradient into (parameters):
-    ``GraphPlan.leaves``."""
-    return frozenset(
+def _leaves_needing_grad(inputs: Sequence) -> Leaves:
+    """Per input, (identity, bytes) where autograd accumulates a gradient into it (a
+    parameter, an input needing a gradient), else None: ``GraphPlan.leaves``."""
+    return tuple(
         (id(t), t.numel() * t.element_size())
-        for t in inputs
         if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+        else None
+        for t in inputs
     )
 
 
@@ -248,7 +249,7 @@ class InductorPartitioner(custom_partitioner_base()):
     def __init__(
         self,
         planner: Planner,
-        leaves: frozenset[tuple[int, int]] = frozenset(),
+        leaves: Leaves = (),
         seen: Sequence[tuple | None] = (),
         declared: Sequence[dict[int, int]] = (),
     ):

@@ -14,6 +14,8 @@ from remat.passes.extract import Extracted
 from remat.passes.sizes import Binding, Sizes
 from remat.solvers import Plan, saved_bytes, step_seconds
 
+Leaves = tuple[tuple[int, int] | None, ...]
+
 
 @dataclass(frozen=True)
 class GraphPlan:
@@ -29,9 +31,9 @@ class GraphPlan:
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     # dynamo's id of the compile that produced this graph (None outside dynamo)
     compile_id: CompileId | None = None
-    # (identity, bytes) of the leaf tensors (parameters) its backward gives gradients to:
-    # those stay in ``.grad`` while the backwards of earlier graphs of the step run
-    leaves: frozenset[tuple[int, int]] = frozenset()
+    # its leaves (parameters): their gradients stay in ``.grad`` while the backwards of
+    # earlier graphs of the step run
+    leaves: Leaves = ()
     # the sizes it was planned at, as (symbol, value), where its sizes are symbolic
     binding: tuple[tuple[str, int], ...] = ()
     # bytes kept free of its first-step plan for the code after it (``first_step.outside_reserve``)

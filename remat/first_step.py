@@ -47,10 +47,11 @@ def outside_reserve(extracted: Extracted) -> int:
     )
 
 
-def with_room(problem: Problem, reserve: int) -> Composed:
+def with_room(problem: Problem, reserve: int, after: int = 0) -> Composed:
     """``problem`` as a step of one run whose code outside peaks at ``reserve`` bytes
-    between its forward and its backward; its plans are ``problem``'s (``own_plan``)."""
-    outside = Outside(level=(0, 0), peak=(0, reserve, 0))
+    between its forward and its backward and at ``after`` bytes once its backward returned
+    (``passes.layouts.copied_into_grad``); its plans are ``problem``'s (``own_plan``)."""
+    outside = Outside(level=(0, 0), peak=(0, reserve, after))
     return compose(Step((problem,), (0,), outside=outside), name=problem.name)
 
 

@@ -38,7 +38,7 @@ from remat.candidates import (
     torch_partition,
     user_plan,
 )
-from remat.compiled import CompiledGraph, GraphPlan
+from remat.compiled import CompiledGraph, GraphPlan, Leaves
 from remat.costs import CostModel, calibration, check_cost_model
 from remat.device_budget import on_device
 from remat.first_step import (
@@ -57,7 +57,7 @@ from remat.passes.extract import (
     Extracted,
     extract,
 )
-from remat.passes.layouts import restore_traced_layouts
+from remat.passes.layouts import copied_into_grad, restore_traced_layouts
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
@@ -121,7 +121,7 @@ class Planner:
         joint: fx.GraphModule,
         num_fwd_outputs: int,
         *,
-        leaves: frozenset[tuple[int, int]] = frozenset(),
+        leaves: Leaves = (),
         held: int = 0,
         seen: Sequence[tuple | None] = (),
         held_stored: int = 0,
@@ -133,7 +133,7 @@ class Planner:
         """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
         rewrite it into programs.
 
-        ``leaves``: (identity, bytes) of its inputs autograd accumulates a gradient into
+        ``leaves``: per input, (identity, bytes) where autograd accumulates a gradient into it
         (``GraphPlan.leaves``; the joint graph alone does not say which). ``held``: bytes the
         runs before it in the step hold while it runs, which an absolute budget leaves it
         less of; ``held_stored``: what they would hold had each stored everything, and
@@ -219,7 +219,7 @@ class Planner:
         name: str,
         binding: Binding,
         held: int,
-        leaves: frozenset[tuple[int, int]],
+        leaves: Leaves,
         compile_id: CompileId | None,
         kept: Plan | None = None,
         extracted: Extracted | None = None,
@@ -236,9 +236,11 @@ class Planner:
         solver's. ``held``, ``held_stored``, ``stored_peak``, ``alone``, ``unseen``: as
         ``plan`` takes them; ``theirs_before``: torch's partition at the earlier binding."""
         start = time.perf_counter()
-        if extracted is None:
-            with reading_at(binding):
+        with reading_at(binding):
+            if extracted is None:
                 extracted = self._extract(joint, num_fwd_outputs, name, binding)
+            leaf_inputs = frozenset(k for k, leaf in enumerate(leaves) if leaf is not None)
+            copied = copied_into_grad(joint, num_fwd_outputs, leaf_inputs)
         extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
@@ -282,6 +284,7 @@ class Planner:
                 reference,
                 reserve if room is None else room,
                 tentative,
+                copied,
             )
             if room is None and self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
@@ -345,6 +348,7 @@ class Planner:
         reference: int | None = None,
         reserve: int = 0,
         tentative: bool = False,
+        copied: int = 0,
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits), room for
         the code after the graph kept (``first_step.with_room``). Where none fits: refused
@@ -352,8 +356,9 @@ class Planner:
         (before anything runs), else the lowest-peak plan: the step planned as one at its
         end fits or names the step's minimum, which can be below the graph's (904 B against
         912 B: a graph holds its outputs to the step's end). ``held``: earlier graphs'.
-        ``tentative``: as ``plan`` takes it."""
-        room = with_room(problem, reserve) if reserve else None
+        ``tentative``: as ``plan`` takes it. ``copied``: bytes autograd copies a gradient
+        into once the backward returned (``passes.layouts.copied_into_grad``)."""
+        room = with_room(problem, reserve, copied) if reserve or copied else None
         planned = problem if room is None else room.problem
 
         def offered() -> dict[str, frozenset[int]]:

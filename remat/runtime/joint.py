@@ -238,7 +238,7 @@ def _accumulate(runs: list[Run], order: tuple[int, ...]) -> tuple[int, ...]:
     out = [0] * len(runs)
     seen: set = set()
     for position in order:
-        leaves = runs[position].graph.record.leaves
+        leaves = {leaf for leaf in runs[position].graph.record.leaves if leaf is not None}
         out[position] = max((b for ident, b in leaves if (ident, b) in seen), default=0)
         seen |= leaves
     return tuple(out)

@@ -386,10 +386,11 @@ def test_a_split_of_a_transposed_input_then_batchnorm_and_conv_measures_its_pred
     check_model(SPLIT_THEN_CONV, 1.0)
 
 
-# Found by the long profile on 2026-12-05 (--hypothesis-seed=20261205103), not fixed yet: at
-# 0.5 the first step's refusal named 1,544 B, the graph's minimum; a retry there is refused
-# at the step's end naming 1,640 B, the step's (the input's gradient held beside it). The
-# first refusal should name the step's. Strict, so the fix turns this red.
+# Found by the long profile on 2026-12-05 (--hypothesis-seed=20261205103): the input's
+# gradient is its transpose, laid out otherwise than the input, so autograd copies it into
+# ``.grad`` beside the backward's outputs (passes.layouts.copied_into_grad). The first
+# step's refusal at 0.5 named 1,544 B, the graph's minimum without that copy; a retry there
+# was refused at the step's end naming 1,640 B.
 INPUT_GRAD_MINIMUM = _spec(
     """
     class FuzzModel(nn.Module):
@@ -408,6 +409,5 @@ INPUT_GRAD_MINIMUM = _spec(
 )
 
 
-@pytest.mark.xfail(strict=True, raises=remat.InfeasibleBudget, reason="names a low minimum")
 def test_a_refusal_names_a_minimum_a_retry_there_fits_with_the_inputs_gradient():
     check_model(INPUT_GRAD_MINIMUM, 0.5)
