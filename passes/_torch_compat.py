@@ -54,6 +54,7 @@ with needed():
 
 __all__ = [
     "SUPPORTED",
+    "TRACE_CHECKPOINT_SIDE_EFFECTS",
     "needed",
     "graph_copy",
     "profiler_range_notes_off",
@@ -218,6 +219,16 @@ def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
 
 
 NO_HORIZONTAL_FUSION = {"cpp.max_horizontal_fusion_size": 1}
+
+# dynamo traces a checkpointed region with a Python side effect (a context variable set and
+# reset: transformers' hub kernels inside each layer) rather than breaking the graph, the
+# effect applied once: remat recomputes graph nodes, never Python code, so no region it
+# recomputes replays one (docs/guide.md, "remat.optimize")
+TRACE_CHECKPOINT_SIDE_EFFECTS = {
+    key: True
+    for key in ("skip_fwd_side_effects_in_bwd_under_checkpoint",)
+    if hasattr(dynamo_config, key)
+}
 
 
 def custom_partitioner_base() -> type:

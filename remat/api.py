@@ -29,6 +29,7 @@ from remat.errors import (
 )
 from remat.max_sizes import MaxSizes, MaxSizesLike
 from remat.passes._torch_compat import (
+    TRACE_CHECKPOINT_SIDE_EFFECTS,
     BackendCompilerFailed,
     ConstraintViolationError,
     FailOnRecompileLimitHit,
@@ -315,7 +316,8 @@ def _guarded(
             # budget, with only a log warning: fail instead (unless errors are suppressed,
             # which dynamo does not allow together with this).
             fail = not dynamo.suppress_errors
-            with dynamo.patch(fail_on_recompile_limit_hit=fail), profiler_range_notes_off():
+            patch = dict(fail_on_recompile_limit_hit=fail, **TRACE_CHECKPOINT_SIDE_EFFECTS)
+            with dynamo.patch(**patch), profiler_range_notes_off():
                 out = compiled(*args, **kwargs)
         except BackendCompilerFailed as failure:
             # A budget or option error is the user's to fix: show it, not dynamo's wrapper.

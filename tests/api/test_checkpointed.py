@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounter
 from torch.utils.checkpoint import checkpoint
 
 import remat
@@ -110,3 +111,55 @@ def test_a_checkpointed_region_hands_over_only_what_the_forward_reads_outside_it
         and all(region(u) == region(nodes[i]) or traced_in_backward(u) for u in nodes[i].users)
     ]
     assert not inside, [n.name for n in inside]
+
+
+class _Active:
+    """State a layer sets around its work, as transformers' hub kernels set the kernels
+    active inside each layer (``CompileableContextVar``: compiled, a global value set and
+    reset, and a mark that compiled code set it, left set)."""
+
+    kernel = None
+    compiled = False
+
+
+ACTIVE = _Active()
+
+
+class _SettingBlock(_Block):
+    def forward(self, x):
+        before, ACTIVE.kernel = ACTIVE.kernel, "fused"
+        if torch.compiler.is_compiling():
+            ACTIVE.compiled = True
+        try:
+            return super().forward(x)
+        finally:
+            ACTIVE.kernel = before
+
+
+def test_a_checkpointed_region_setting_state_outside_it_is_traced_whole():
+    """torch.compile breaks the graph at each such region (dynamo would have to replay the
+    effect in the backward), and inside a loop runs the whole forward eagerly; remat, which
+    replays no Python code, traces them into one graph: the user's regions become its
+    candidate, and a budget at the user's own peak is kept, with eager's gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    model.blocks = torch.nn.ModuleList(_SettingBlock() for _ in model.blocks)
+    x, y = torch.randn(256, 128), torch.randint(0, 10, (256,))
+    counted = CompileCounter()
+    torch.compile(model, backend=counted)(x, y)
+    assert counted.frame_count != 1  # torch.compile: graph breaks, or the loop runs eagerly
+    torch._dynamo.reset()
+    ACTIVE.compiled = False
+    theirs = memory.peak(lambda: model(x, y).backward()).peak_bytes
+    expected = [p.grad.clone() for p in model.parameters()]
+
+    optimized = remat.optimize(model, budget=theirs)
+    peak = _trained_peak(optimized, model, (x, y))
+    report = optimized.remat.report()
+    assert len(report.graphs) == 1 and report.graphs[0].yours is not None
+    assert peak <= theirs * 1.01, (peak, theirs)
+    for p, g in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    assert ACTIVE.kernel is None and ACTIVE.compiled
+    torch._dynamo.reset()
