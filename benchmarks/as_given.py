@@ -9,7 +9,9 @@ loss computed inside (``labels=``): ``blocks``, ``gpt2`` and ``llama`` checkpoin
 layer as their users do it (``torch.utils.checkpoint`` per block; transformers'
 ``gradient_checkpointing_enable``, non-reentrant, the form dynamo traces); ``mamba``
 (transformers' reference PyTorch path) does not checkpoint, and runs another scan when
-dynamo traces it than when it runs eagerly. Per model:
+dynamo traces it (a parallel ``associative_scan``) than when it runs eagerly (a loop over
+the sequence); ``mamba-loop`` is that model with ``use_associative_scan=False``, whose
+traced program is the eager loop. Per model:
 
 1. ``yours``: the program run eagerly, as the user runs it: its measured peak
    (``memory.peak``) and the median time of ``--repeat`` steps.
@@ -109,13 +111,16 @@ def models(T) -> dict:
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # fmt: skip
         ),
         "llama": lambda: _hf(T, T.LlamaConfig(**layers, num_key_value_heads=2)),
-        "mamba": lambda: _hf(
-            T,
-            T.MambaConfig(vocab_size=VOCAB, hidden_size=128, state_size=16, num_hidden_layers=2),
-            checkpointed=False,
-            seq=SEQ // 2,  # measuring its eager loop at 256: over this machine's memory
-        ),
+        "mamba": lambda: _mamba(T, associative_scan=True),
+        "mamba-loop": lambda: _mamba(T, associative_scan=False),
     }
+
+
+def _mamba(T, associative_scan: bool) -> tuple:
+    config = T.MambaConfig(vocab_size=VOCAB, hidden_size=128, state_size=16,
+                           num_hidden_layers=2, use_associative_scan=associative_scan)  # fmt: skip
+    # measuring its eager loop at 256 tokens: over this machine's memory
+    return _hf(T, config, checkpointed=False, seq=SEQ // 2)
 
 
 def step(fn, model: torch.nn.Module, inputs: tuple) -> None:

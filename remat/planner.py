@@ -61,6 +61,7 @@ from remat.passes.layouts import copied_into_grad, restore_traced_layouts
 from remat.passes.rewrite import rewrite
 from remat.passes.rng import replay_dropouts
 from remat.passes.sizes import Binding, Sizes, describe, no_guards, reading_at
+from remat.passes.slice_grads import scatter_slice_gradients
 from remat.solvers import (
     InfeasibleBudget,
     Plan,
@@ -154,14 +155,16 @@ class Planner:
         with no_guards(joint):
             dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
             replayed = replay_dropouts(joint)  # dropout becomes recomputable (mask replayed)
+            scattered = scatter_slice_gradients(joint)  # as eager's in-place sum holds
             # read as traced: copies where a layout differs
             copied = restore_traced_layouts(joint, costs.output_strides)
             log.debug(
-                "remat %s: %d identity clones dropped, %d dropouts replayed, %d tensors "
-                "read as traced through a copy",
+                "remat %s: %d identity clones dropped, %d dropouts replayed, %d slice "
+                "gradients scattered into their sums, %d tensors read as traced through a copy",
                 name,
                 dropped,
                 replayed,
+                scattered,
                 copied,
             )
             sizes = Sizes.of(joint)
