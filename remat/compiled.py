@@ -14,6 +14,8 @@ from remat.passes.extract import Extracted
 from remat.passes.sizes import Binding, Sizes
 from remat.solvers import Plan, saved_bytes, step_seconds
 
+# per input of a graph, (identity, bytes) where it is a leaf autograd accumulates a gradient
+# into (a parameter, an input needing a gradient), else None
 Leaves = tuple[tuple[int, int] | None, ...]
 
 
