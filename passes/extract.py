@@ -228,12 +228,12 @@ def _own_bytes(node: fx.Node, facts: NodeFacts) -> int:
     if is_tangent(node):
         return _strided_bytes(node.meta.get("val"))
     if node.target is operator.getitem:
-        return _tensor_bytes(node.meta.get("val"))
+        return tensor_bytes(node.meta.get("val"))
     if not is_multi_output(node):
         return facts.allocated_bytes(node)
     vals = node.meta["val"]
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
-    return sum(_tensor_bytes(v) for k, v in enumerate(vals) if k not in read)
+    return sum(tensor_bytes(v) for k, v in enumerate(vals) if k not in read)
 
 
 def _strided_bytes(val: object) -> int:
@@ -249,7 +249,7 @@ def _strided_bytes(val: object) -> int:
 
 
 def _resident_bytes(graph_nodes) -> int:
-    return sum(_tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
+    return sum(tensor_bytes(n.meta.get("val")) for n in graph_nodes if is_resident(n))
 
 
 def _growth(fx_nodes, planned: Binding, binding: Binding) -> dict[fx.Node, float]:
@@ -286,7 +286,8 @@ def _tensors(val: object) -> list[torch.Tensor]:
     return []
 
 
-def _tensor_bytes(val: object) -> int:
+def tensor_bytes(val: object) -> int:
+    """A value's bytes at the binding being read (``sizes.reading_at``); 0 for no tensor."""
     if isinstance(val, torch.Tensor):
         return hint(val.numel()) * val.element_size()
     return 0

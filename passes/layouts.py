@@ -22,13 +22,13 @@ every kernel would cost seconds on deep models (docs/architecture.md, "Modules")
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import fx
 
 from ._torch_compat import op_schema
-from .extract import is_tangent
+from .extract import is_tangent, tensor_bytes
 from .sizes import hint
 
 aten = torch.ops.aten
@@ -153,26 +153,26 @@ def _contiguous_strides(fake: torch.Tensor) -> tuple[int, ...]:
 
 
 def copied_into_grad(
-    joint: fx.GraphModule, num_fwd_outputs: int, leaf_inputs: frozenset[int]
+    joint: fx.GraphModule, num_fwd_outputs: int, leaves: Sequence[bool]
 ) -> int:
     """Bytes of the largest gradient autograd copies into its leaf's ``.grad`` rather than
     taking it, read at the binding being read (``sizes.reading_at``): one laid out otherwise
     than its leaf (AccumulateGrad's layout contract), e.g. a transposed input's. The copy
-    is live beside the backward's outputs once the backward returns. ``leaf_inputs``:
-    positions of the joint graph's inputs that are leaves needing a gradient; their
-    gradients are the outputs after the forward's, in input order."""
+    is live beside the backward's outputs once the backward returns. ``leaves``: per input
+    of the joint graph's forward, whether it is a leaf needing a gradient; the gradients
+    are the outputs after the forward's, in input order."""
     primals = [n for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
     (outputs,) = joint.graph.find_nodes(op="output")[0].args
     grads = outputs[num_fwd_outputs:]
-    if len(grads) != len(primals):  # inputs AOTAutograd added: positions unknown
+    if not len(grads) == len(primals) == len(leaves):  # inputs AOTAutograd added: unknown
         return 0
     copied = [
-        hint(grad.numel()) * grad.element_size()
-        for k in leaf_inputs
-        if k < len(grads)
-        and isinstance(grads[k], fx.Node)
-        and isinstance(grad := grads[k].meta.get("val"), torch.Tensor)
-        and not _obeys_layout(grad, primals[k].meta.get("val"))
+        tensor_bytes(grad.meta.get("val"))
+        for grad, primal, leaf in zip(grads, primals, leaves, strict=True)
+        if leaf
+        and isinstance(grad, fx.Node)
+        and isinstance(grad.meta.get("val"), torch.Tensor)
+        and not _obeys_layout(grad.meta["val"], primal.meta.get("val"))
     ]
     return max(copied, default=0)
 
@@ -184,14 +184,15 @@ def _obeys_layout(grad: torch.Tensor, leaf: object) -> bool:
     if not isinstance(leaf, torch.Tensor):
         return True
     sizes, strides = [hint(n) for n in grad.shape], _strides(grad)
-    if not _dense_somehow(leaf):
+    if not _non_overlapping_and_dense(leaf):
         return _dense(grad, strides)
     pairs = zip(sizes, strides, _strides(leaf), strict=True)
     return all(stride != 0 if size == 1 else stride == theirs for size, stride, theirs in pairs)
 
 
-def _dense_somehow(fake: torch.Tensor) -> bool:
-    """Non-overlapping and dense: contiguous in some order of its dimensions."""
+def _non_overlapping_and_dense(fake: torch.Tensor) -> bool:
+    """Contiguous in some order of its dimensions (torch's ``is_non_overlapping_and_dense``,
+    read at the binding being read rather than guarded)."""
     sizes = [hint(n) for n in fake.shape]
     pairs = sorted((s, n) for s, n in zip(_strides(fake), sizes, strict=True) if n != 1)
     expected = 1

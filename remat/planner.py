@@ -242,8 +242,8 @@ class Planner:
         with reading_at(binding):
             if extracted is None:
                 extracted = self._extract(joint, num_fwd_outputs, name, binding)
-            leaf_inputs = frozenset(k for k, leaf in enumerate(leaves) if leaf is not None)
-            copied = copied_into_grad(joint, num_fwd_outputs, leaf_inputs)
+            is_leaf = [leaf is not None for leaf in leaves]
+            copied = copied_into_grad(joint, num_fwd_outputs, is_leaf)
         extracted_at = time.perf_counter()
         problem = extracted.problem
         baseline = store_all(problem)
