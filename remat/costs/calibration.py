@@ -18,8 +18,11 @@ import os
 import platform
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from remat.passes.rng import apply_dropout_mask
 
 from .device import DeviceSpec
 from .measured import concrete_device, timed_runs
@@ -27,7 +30,7 @@ from .measured import concrete_device, timed_runs
 __all__ = ["calibrated", "enabled", "figures_source", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
-VERSION = 3
+VERSION = 4
 # Output sizes a pointwise kernel is timed at: from within a core's cache to past the
 # last level and (on CPU) glibc's 32 MiB mmap threshold, where fresh outputs page-fault.
 CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
@@ -38,6 +41,7 @@ MATMUL_SIDES = {"cpu": (64, 128, 256, 512), "cuda": (64, 256, 1024, 4096)}
 RUNS = 5  # timed runs per figure, after one untimed
 MIXED_ELEMENTS = 1 << 22  # a dropout-sized activation
 ALLOCATOR_WARMUP = 32 << 20  # bytes: glibc's largest mmap threshold (see ``measure``)
+SCORE_ROW = 512  # an attention score row's length: a sequence
 DROPOUT_KEEP = 0.9  # the keep probability drawn: CPU's bernoulli_ runs 2x slower at 0.5
 
 
@@ -84,14 +88,26 @@ def calibrated(
 
 @functools.cache
 def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
-    return measure(torch.device(device), [getattr(torch, d) for d in dtypes])
+    """The figures, measured on a thread of its own: the first compile calls this from
+    inside dynamo, whose thread-local modes (the Python dispatcher) made every launch 4x
+    slower and a thin matmul 2x (docs/cost-model.md, "Calibration")."""
+    threads = torch.get_num_threads()
+
+    def run() -> dict:
+        torch.set_num_threads(threads)  # a new thread starts at the machine's default
+        return measure(torch.device(device), [getattr(torch, d) for d in dtypes])
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="remat-calibration") as pool:
+        return pool.submit(run).result()
 
 
 def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     """The figures, timed now: matmul FLOP/s per dtype, pointwise FLOP/s, streaming
     bytes/s by output bytes (fresh outputs, as eager allocates them), bytes/s reading
     a value back from memory, bytes/s of pointwise kernels over two dtypes, elements/s of
-    a transcendental function, seconds per launch, random numbers per second (CPU)."""
+    a transcendental function (``exp``, and ``tanh`` apart), elements/s of remat's dropout
+    replay and of ``_safe_softmax``'s mask, seconds per launch, random numbers per second
+    (CPU)."""
     start = time.perf_counter()
     # glibc maps a fresh block (page faults on every touch) for any allocation above a
     # threshold that rises to the largest block freed, up to 32 MiB: a step's frees raise
@@ -100,12 +116,15 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
         torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     figures = {
-        "matmul": {_name(d): _matmul_rates(device, d) for d in dtypes},
+        "matmul": {_name(d): _matmul_rates(pool, d) for d in dtypes},
         "pointwise": _pointwise_rate(device),
         "stream": [[n, _stream_rate(n, pool)] for n in _sizes(device)],
         "read": _read_rate(pool),
         **_two_dtype_rates(pool),
         "transcendental": _transcendental_rate(device),
+        "tanh": _tanh_rate(device),
+        "replay": _replay_rate(pool),
+        "softmax mask": _softmax_mask_rate(pool),
         "launch": _launch_seconds(device),
         "random": _random_rate(device) if device.type == "cpu" else None,
     }
@@ -134,6 +153,9 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
         select_rate=figures["select"],
         cast_rate=figures["cast"],
         transcendental_rate=figures["transcendental"],
+        tanh_rate=figures["tanh"],
+        replay_rate=figures["replay"],
+        softmax_mask_rate=figures["softmax mask"],
         stream=tuple((int(n), float(r)) for n, r in figures["stream"]),
     )
 
@@ -148,19 +170,27 @@ def _fastest_seconds(run: Callable[[], object], device: torch.device) -> float:
     return min(timed_runs(run, device, RUNS, warmup=1))
 
 
-def _matmul_rates(device: torch.device, dtype: torch.dtype) -> list[list[float]]:
+def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
     """[side, FLOP/s] of matmuls in ``dtype`` whose inner dimension is ``side`` and whose
-    others are the largest side (an attention head's (512 x 64) @ (64 x 512)), ascending."""
-    sides = MATMUL_SIDES.get(device.type, MATMUL_SIDES["cuda"])
+    others are the largest side (an attention head's (512 x 64) @ (64 x 512)), ascending.
+    Each run multiplies another pair of slices of ``pool``: inputs read cold, as a step's
+    matmuls read what earlier kernels wrote (warm inputs ran 6% faster on CPU)."""
+    sides = MATMUL_SIDES.get(pool.device.type, MATMUL_SIDES["cuda"])
     m = sides[-1]
-    warm = torch.randn(m, m, device=device).to(dtype)
+    source = pool if pool.dtype == dtype else pool.to(dtype)
+    warm = source[: m * m].view(m, m)
     for _ in range(RUNS):  # the math library's first calls in a process run slower
         warm @ warm
     rates = []
     for k in sides:
-        a = torch.randn(m, k, device=device).to(dtype)
-        b = torch.randn(k, m, device=device).to(dtype)
-        rates.append([k, 2 * m * m * k / _fastest_seconds(lambda a=a, b=b: a @ b, device)])
+        pairs = source[: source.numel() // (2 * m * k) * (2 * m * k)].view(-1, 2, m * k)
+        turn = iter(range(1 << 62))
+
+        def product(pairs=pairs, k=k, turn=turn):
+            a, b = pairs[next(turn) % len(pairs)]
+            return a.view(m, k) @ b.view(k, m)
+
+        rates.append([k, 2 * m * m * k / _fastest_seconds(product, pool.device)])
     return rates
 
 
@@ -211,6 +241,48 @@ def _transcendental_rate(device: torch.device) -> float:
     gelu and their kernels run at this rate, not at their bytes' (docs/cost-model.md)."""
     x = torch.ones(2**16, device=device)
     return x.numel() / _fastest_seconds(x.exp, device)
+
+
+def _tanh_rate(device: torch.device) -> float:
+    """Elements per second of ``tanh`` on a tensor that stays in cache (a third of
+    ``exp``'s on CPU)."""
+    x = torch.ones(2**16, device=device)
+    return x.numel() / _fastest_seconds(x.tanh, device)
+
+
+def _replay_rate(pool: torch.Tensor) -> float:
+    """Elements per second of remat's dropout replay (``apply_dropout_mask``: a cast and
+    two multiplies) on a random mask of a dropout-sized activation, read cold with its
+    input as a step's backward reads them."""
+    n = MIXED_ELEMENTS
+    count = max(1, pool.numel() // n)
+    inputs = pool[: count * n].view(count, n)
+    generator = torch.Generator(pool.device).manual_seed(0)
+    masks = torch.empty(count, n, dtype=torch.bool, device=pool.device)
+    masks.bernoulli_(DROPOUT_KEEP, generator=generator)
+    turn = iter(range(1 << 62))
+
+    def replay():
+        k = next(turn) % count
+        return apply_dropout_mask(inputs[k], masks[k], 1.0 / DROPOUT_KEEP)
+
+    return n / _fastest_seconds(replay, pool.device)
+
+
+def _softmax_mask_rate(pool: torch.Tensor) -> float:
+    """Elements per second of what ``_safe_softmax`` (attention's softmax under a mask)
+    runs besides its softmax: its time less ``_softmax``'s, over rows of an attention
+    score's length (512), read cold. Its three kernels run 4x slower than their bytes."""
+    n = MIXED_ELEMENTS
+    rows = pool[: (pool.numel() // n) * n].view(-1, n // SCORE_ROW, SCORE_ROW)
+    turn = iter(range(1 << 62))
+
+    def seconds(op) -> float:
+        return _fastest_seconds(lambda: op(rows[next(turn) % len(rows)], -1), pool.device)
+
+    softmax = seconds(functools.partial(torch.ops.aten._softmax, half_to_float=False))
+    mask = seconds(torch.ops.aten._safe_softmax) - softmax
+    return n / max(mask, softmax / 100)  # never free, should the two times meet
 
 
 def _launch_seconds(device: torch.device) -> float:

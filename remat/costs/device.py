@@ -22,7 +22,7 @@ from remat.passes._torch_compat import OpOverload
 from remat.passes.rng import APPLY_DROPOUT_MASK
 from remat.passes.sizes import hint
 
-from ._fx import input_nodes, meta_val, tensors_of
+from ._fx import arg_value, input_nodes, meta_val, tensors_of
 from .flags import random_numbers
 from .graph import (
     bytes_moved,
@@ -102,6 +102,16 @@ class DeviceSpec:
     cast_rate: float = math.inf
     # elements per second of a transcendental function (exp): softmax's and gelu's roof
     transcendental_rate: float = math.inf
+    # elements per second of ``tanh``, which CPU kernels evaluate at a third of ``exp``'s
+    # rate (GPT-2's gelu); measured (``calibration``), else ``transcendental_rate``
+    tanh_rate: float = math.inf
+    # elements per second of remat's dropout replay (``passes.rng.apply_dropout_mask``)
+    # on a random mask read cold; measured (``calibration``), else priced as its kernels
+    replay_rate: float = math.inf
+    # elements per second of ``_safe_softmax``'s mask kernels (``_other_kernels_seconds``);
+    # measured (``calibration``), else their bytes at the stream rate
+    softmax_mask_rate: float = math.inf
+    cpu: bool = False  # whose kernels: some ops run other kernels on CPU than on GPUs
 
     def stream_rate(self, nbytes: float) -> float:
         """Bytes moved per second by a kernel writing ``nbytes``: ``stream`` interpolated
@@ -139,6 +149,7 @@ class DeviceSpec:
                 bandwidth=_CPU_BANDWIDTH,
                 launch_overhead=_CPU_LAUNCH,
                 random_per_second=_CPU_RANDOM_PER_SECOND,
+                cpu=True,
             )
         if dev.type == "cuda":
             return _cuda_spec(dev)
@@ -228,8 +239,40 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
             rate = min(rate, spec.cast_rate)
         elif is_pointwise(node):
             rate = min(rate, spec.mixed_rate)
-    computing = _transcendentals(node) / spec.transcendental_rate
-    return max(f / peak, moved / rate, drawing, computing) + spec.launch_overhead
+    computing = _transcendentals(node) / _transcendental_rate(node, spec)
+    own = max(f / peak, moved / rate, drawing, computing) + spec.launch_overhead
+    return own + _other_kernels_seconds(node, spec)
+
+
+def _other_kernels_seconds(node: fx.Node, spec: DeviceSpec) -> float:
+    """The kernels an op runs besides the one its bytes and flops describe:
+
+    - ``_safe_softmax`` (torch's attention softmax with a mask; a composite on every
+      device): ``isneginf`` over its input, ``all`` over the softmax dimension, then
+      ``where`` over the output, at their measured rate (about 14 bytes moved per
+      float32 element, at the stream rate, where not measured).
+    - ``native_dropout_backward`` on CPU: ``grad * mask`` (the mixed-dtype kernel its
+      bytes describe), then ``* scale``, a second pass over the output at the stream
+      rate.
+    """
+    out = output_bytes(node)
+    if node.target is aten._safe_softmax.default:
+        elements = sum(hint(t.numel()) for t in tensors_of(meta_val(node)))
+        if spec.softmax_mask_rate < math.inf:
+            return elements / spec.softmax_mask_rate + 3 * spec.launch_overhead
+        # isneginf reads the input and writes bools, all reads them, where reads the
+        # softmax and writes the output
+        moved = (out + elements) + elements + 2 * out
+        return moved / spec.stream_rate(out) + 3 * spec.launch_overhead
+    if spec.cpu and node.target is aten.native_dropout_backward.default:
+        return 2 * out / spec.stream_rate(out) + spec.launch_overhead
+    return 0.0
+
+
+def _transcendental_rate(node: fx.Node, spec: DeviceSpec) -> float:
+    if node.target is aten.tanh.default and spec.tanh_rate < math.inf:
+        return spec.tanh_rate
+    return spec.transcendental_rate
 
 
 # pointwise ops whose bool input selects rather than enters the arithmetic, and casts:
@@ -272,6 +315,7 @@ _TRANSCENDENTAL = frozenset(
         "softplus",
         "elu",
         "_softmax",
+        "_safe_softmax",
         "_log_softmax",
         "sin",
         "cos",
@@ -297,18 +341,29 @@ def _smallest_side(node: fx.Node) -> int | None:
 
 def _transcendentals(node: fx.Node) -> int:
     """Elements ``node`` evaluates a transcendental function for: its outputs', if its op
-    is one (``_TRANSCENDENTAL``)."""
+    is one (``_TRANSCENDENTAL``) and not ``pow`` by an exponent ATen multiplies out."""
     target = node.target
     if not isinstance(target, OpOverload) or target.__name__.split(".")[0] not in _TRANSCENDENTAL:
+        return 0
+    exponent = arg_value(node, target._schema, "exponent")
+    if target is aten.pow.Tensor_Scalar and exponent in _MULTIPLIED_OUT:
         return 0
     return sum(hint(t.numel()) for t in tensors_of(meta_val(node)))
 
 
+# ``pow`` exponents ATen's CPU and CUDA kernels compute by multiplying (x*x, x*x*x, 1/x,
+# 1/(x*x)): as fast as an add, where 2.7 runs at ``exp``'s rate or below
+_MULTIPLIED_OUT = frozenset((2, 3, -1, -2))
+
+
 def _apply_dropout_mask_seconds(node: fx.Node, spec: DeviceSpec) -> float:
-    """remat's dropout replay runs three kernels (``passes/rng.apply_dropout_mask``): the
-    bool mask cast into the output (two dtypes), then ``* x`` and ``* scale`` in place."""
+    """remat's dropout replay at its measured rate; else priced as the three kernels it
+    runs (``passes/rng.apply_dropout_mask``): the bool mask cast into the output (two
+    dtypes), then ``* x`` and ``* scale`` in place."""
     out = output_bytes(node)
     mask = sum(hint(t.numel()) for t in tensors_of(meta_val(node)))  # one byte per element
+    if spec.replay_rate < math.inf:
+        return mask / spec.replay_rate + 3 * spec.launch_overhead
     cast = (mask + out) / min(spec.stream_rate(out), spec.cast_rate)
     multiplies = 5 * out / spec.stream_rate(out)  # read out and x, write; read, write
     return cast + multiplies + 3 * spec.launch_overhead

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dispatch.python import enable_python_dispatcher
 
 import remat
 from remat.cache import PlanCache
@@ -26,7 +27,8 @@ def test_every_figure_is_measured_and_positive(figures):
     for rates in figures["matmul"].values():
         sides = [n for n, _ in rates]
         assert sides == sorted(sides) and all(rate > 0 for _, rate in rates)
-    rates = ("pointwise", "read", "random", "mixed", "select", "cast", "transcendental")
+    rates = ("pointwise", "read", "random", "mixed", "select", "cast", "transcendental", "tanh")
+    rates += ("replay", "softmax mask")
     assert all(figures[name] > 0 for name in rates)
     assert 0 < figures["launch"] < 1e-3  # a tiny op on CPU: microseconds, not milliseconds
     moved = [n for n, _ in figures["stream"]]
@@ -64,6 +66,9 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
             "select": 8e9,
             "cast": 7e9,
             "transcendental": 1e9,
+            "tanh": 4e8,
+            "replay": 1e9,
+            "softmax mask": 5e8,
             "launch": 3e-6,
             "random": 1.7e8,
             "seconds": 0.8,
@@ -80,6 +85,24 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
     assert first.matmul_rate(torch.float32, 64) == 5e10  # a thin matmul at its own rate
     assert 5e10 < first.matmul_rate(torch.float32, 128) < 2e11
     assert first.stream_rate(1 << 30) == 7e9 and first.name.endswith("calibrated")
+
+
+def test_the_figures_are_measured_free_of_the_callers_dispatch_modes(monkeypatch, fresh_process):
+    """The first compile calibrates from inside dynamo, under the Python dispatcher: the
+    figures are measured on a thread of their own, with the caller's thread count."""
+    seen = {}
+
+    def measure(device, dtypes):
+        included = torch._C._dispatch_tls_local_include_set()
+        seen["python dispatcher"] = included.has(torch._C.DispatchKey.PythonDispatcher)
+        seen["threads"] = torch.get_num_threads()
+        raise RuntimeError("measured")
+
+    monkeypatch.setattr(calibration, "measure", measure)
+    threads = torch.get_num_threads()
+    with enable_python_dispatcher(), pytest.raises(RuntimeError, match="measured"):
+        calibration.calibrated(CPU, {torch.float32})
+    assert seen == {"python dispatcher": False, "threads": threads}
 
 
 class Tiny(nn.Module):

@@ -3,6 +3,7 @@ reads (the CPU's, the CUDA table, a GPU it does not know)."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -14,6 +15,7 @@ from remat.costs import (
     aliased_input,
     estimate_seconds,
 )
+from remat.passes.rng import APPLY_DROPOUT_MASK
 
 # --------------------------------------------------------------------------------------
 # Roofline
@@ -47,6 +49,49 @@ def test_estimate_seconds_is_a_roofline():
     fast_mm = DeviceSpec("t", 1e9, 1e9, 1e-6, matmul_peaks=(("float32", 1e12),))
     assert estimate_seconds(mm, fast_mm) < estimate_seconds(mm, spec)
     assert estimate_seconds(relu, fast_mm) == estimate_seconds(relu, spec)  # not a matmul
+
+
+def test_an_op_that_runs_more_kernels_costs_them():
+    """``_safe_softmax`` runs a mask's three kernels beside its softmax, CPU's
+    ``native_dropout_backward`` a second multiply, ``tanh`` and remat's dropout replay
+    run at their own measured rates, and ``pow`` by 3 is multiplied out."""
+
+    def build(g, x, mask):
+        return (
+            g.call_function(aten._softmax.default, (x, -1, False)),
+            g.call_function(aten._safe_softmax.default, (x, -1)),
+            g.call_function(aten.native_dropout_backward.default, (x, mask, 1.25)),
+            g.call_function(aten.tanh.default, (x,)),
+            g.call_function(aten.exp.default, (x,)),
+            g.call_function(APPLY_DROPOUT_MASK, (x, mask, 1.25)),
+            g.call_function(aten.pow.Tensor_Scalar, (x, 3.0)),
+            g.call_function(aten.pow.Tensor_Scalar, (x, 2.7)),
+            g.call_function(aten.add.Tensor, (x, 1.0)),
+        )
+
+    x, mask = torch.randn(1 << 20), torch.ones(1 << 20, dtype=torch.bool)
+    calls = _calls(_fake_graph(build, x, mask))
+    softmax, safe, dropout_backward, tanh, exp, replay, cube, power, add = calls
+    cpu = DeviceSpec("c", 1e12, 1e9, 0.0, transcendental_rate=1e12, cpu=True)
+    gpu = dataclasses.replace(cpu, cpu=False)
+    # isneginf (4 + 1 bytes an element), all (1), where (4 + 4): 14 bytes an element more
+    assert estimate_seconds(safe, cpu) - estimate_seconds(softmax, cpu) == pytest.approx(
+        14 * (1 << 20) / 1e9
+    )
+    assert estimate_seconds(dropout_backward, cpu) - estimate_seconds(
+        dropout_backward, gpu
+    ) == pytest.approx(8 * (1 << 20) / 1e9)  # read and write the output once more
+    timed = dataclasses.replace(cpu, transcendental_rate=1e8, tanh_rate=1e7, replay_rate=1e6)
+    timed = dataclasses.replace(timed, softmax_mask_rate=1e6)
+    assert estimate_seconds(safe, timed) - estimate_seconds(softmax, timed) == pytest.approx(
+        (1 << 20) / 1e6
+    )
+    assert estimate_seconds(tanh, timed) == pytest.approx((1 << 20) / 1e7)
+    assert estimate_seconds(exp, timed) == pytest.approx((1 << 20) / 1e8)
+    assert estimate_seconds(replay, timed) == pytest.approx((1 << 20) / 1e6)
+    assert estimate_seconds(tanh, cpu) == estimate_seconds(exp, cpu)  # not measured: exp's
+    assert estimate_seconds(cube, timed) == estimate_seconds(add, timed)  # x * x * x
+    assert estimate_seconds(power, timed) == estimate_seconds(exp, timed)
 
 
 # --------------------------------------------------------------------------------------
