@@ -679,6 +679,8 @@ def script_table(name: str, view: str | None, data) -> str:
         return reversible_numerics(data)
     if name == "cuda_check":
         return cuda_check(data)
+    if name.startswith("step_time_"):  # step_time.py on another model
+        return columns(data, SCRIPT_TABLES["step_time"])
     return columns(data, SCRIPT_TABLES[name])
 
 

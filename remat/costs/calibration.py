@@ -27,6 +27,8 @@ from remat.passes.rng import apply_dropout_mask
 from .device import DeviceSpec
 from .measured import concrete_device, timed_runs
 
+aten = torch.ops.aten
+
 __all__ = ["calibrated", "enabled", "figures_source", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
@@ -281,8 +283,8 @@ def _softmax_mask_rate(pool: torch.Tensor) -> float:
     def seconds(op) -> float:
         return _fastest_seconds(lambda: op(rows[next(turn) % len(rows)], -1), pool.device)
 
-    softmax = seconds(functools.partial(torch.ops.aten._softmax, half_to_float=False))
-    mask = seconds(torch.ops.aten._safe_softmax) - softmax
+    softmax = seconds(functools.partial(aten._softmax, half_to_float=False))
+    mask = seconds(aten._safe_softmax) - softmax
     return n / max(mask, softmax / 100)  # never free, should the two times meet
 
 
