@@ -92,8 +92,8 @@ def calibrated(
 @functools.cache
 def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
     """The figures, measured on a thread of its own: the first compile calls this from
-    inside dynamo, whose thread-local modes (the Python dispatcher) made every launch 4x
-    slower and a thin matmul 2x (docs/cost-model.md, "Calibration")."""
+    inside dynamo, whose thread-local modes (the Python dispatcher) slow every op down
+    (measured: docs/cost-model.md, "Calibration")."""
     threads = torch.get_num_threads()
 
     def run() -> dict:
@@ -177,7 +177,7 @@ def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
     """[side, FLOP/s] of matmuls in ``dtype`` whose inner dimension is ``side`` and whose
     others are the largest side (an attention head's (512 x 64) @ (64 x 512)), ascending.
     Each run multiplies another pair of slices of ``pool``: inputs read cold, as a step's
-    matmuls read what earlier kernels wrote (warm inputs ran 6% faster on CPU)."""
+    matmuls read what earlier kernels wrote."""
     sides = MATMUL_SIDES.get(pool.device.type, MATMUL_SIDES["cuda"])
     m = sides[-1]
     source = pool if pool.dtype == dtype else pool.to(dtype)
@@ -247,8 +247,8 @@ def _transcendental_rate(device: torch.device) -> float:
 
 
 def _tanh_rate(device: torch.device) -> float:
-    """Elements per second of ``tanh`` on a tensor that stays in cache (a third of
-    ``exp``'s on CPU)."""
+    """Elements per second of ``tanh`` on a tensor that stays in cache: CPU kernels
+    evaluate it well below ``exp``'s rate."""
     x = torch.ones(2**16, device=device)
     return x.numel() / _fastest_seconds(x.tanh, device)
 
@@ -275,7 +275,7 @@ def _replay_rate(pool: torch.Tensor) -> float:
 def _softmax_mask_rate(pool: torch.Tensor) -> float:
     """Elements per second of what ``_safe_softmax`` (attention's softmax under a mask)
     runs besides its softmax: its time less ``_softmax``'s, over rows of an attention
-    score's length (512), read cold. Its three kernels run 4x slower than their bytes."""
+    score's length (512), read cold: those kernels run far below their bytes' rate."""
     n = MIXED_ELEMENTS
     rows = pool[: (pool.numel() // n) * n].view(-1, n // SCORE_ROW, SCORE_ROW)
     turn = iter(range(1 << 62))

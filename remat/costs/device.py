@@ -102,8 +102,8 @@ class DeviceSpec:
     cast_rate: float = math.inf
     # elements per second of a transcendental function (exp): softmax's and gelu's roof
     transcendental_rate: float = math.inf
-    # elements per second of ``tanh``, which CPU kernels evaluate at a third of ``exp``'s
-    # rate (GPT-2's gelu); measured (``calibration``), else ``transcendental_rate``
+    # elements per second of ``tanh`` (GPT-2's gelu), which CPU kernels evaluate below
+    # ``exp``'s rate; measured (``calibration``), else ``transcendental_rate``
     tanh_rate: float = math.inf
     # elements per second of remat's dropout replay (``passes.rng.apply_dropout_mask``)
     # on a random mask read cold; measured (``calibration``), else priced as its kernels
@@ -352,7 +352,8 @@ def _transcendentals(node: fx.Node) -> int:
 
 
 # ``pow`` exponents ATen's CPU and CUDA kernels compute by multiplying (x*x, x*x*x, 1/x,
-# 1/(x*x)): as fast as an add, where 2.7 runs at ``exp``'s rate or below
+# 1/(x*x)): as fast as an add; other exponents evaluate ``exp`` and ``log``
+# (docs/cost-model.md, "Calibration")
 _MULTIPLIED_OUT = frozenset((2, 3, -1, -2))
 
 
