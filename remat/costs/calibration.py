@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import time
@@ -120,12 +121,12 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     figures = {
         "matmul": {_name(d): _matmul_rates(pool, d) for d in dtypes},
-        "pointwise": _pointwise_rate(device),
+        "pointwise": _in_cache_rate(device, lambda x: x.mul_(1.0)),
         "stream": [[n, _stream_rate(n, pool)] for n in _sizes(device)],
         "read": _read_rate(pool),
         **_two_dtype_rates(pool),
-        "transcendental": _transcendental_rate(device),
-        "tanh": _tanh_rate(device),
+        "transcendental": _in_cache_rate(device, torch.exp),
+        "tanh": _in_cache_rate(device, torch.tanh),
         "replay": _replay_rate(pool),
         "softmax mask": _softmax_mask_rate(pool),
         "launch": _launch_seconds(device),
@@ -187,13 +188,8 @@ def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
     rates = []
     for k in sides:
         pairs = source[: source.numel() // (2 * m * k) * (2 * m * k)].view(-1, 2, m * k)
-        turn = iter(range(1 << 62))
-
-        def product(pairs=pairs, k=k, turn=turn):
-            a, b = pairs[next(turn) % len(pairs)]
-            return a.view(m, k) @ b.view(k, m)
-
-        rates.append([k, 2 * m * m * k / _fastest_seconds(product, pool.device)])
+        products = (a.view(m, k) @ b.view(k, m) for a, b in itertools.cycle(pairs))
+        rates.append([k, 2 * m * m * k / _fastest_seconds(lambda p=products: next(p), pool.device)])
     return rates
 
 
@@ -201,11 +197,12 @@ def _peaks(matmul: dict[str, list]) -> dict[str, float]:
     return {dtype: max(rate for _, rate in rates) for dtype, rates in matmul.items()}
 
 
-def _pointwise_rate(device: torch.device) -> float:
-    """Flops per second of a pointwise kernel on a tensor that stays in cache (one flop
-    per element)."""
+def _in_cache_rate(device: torch.device, op: Callable[[torch.Tensor], object]) -> float:
+    """Elements per second of ``op(x)`` on a tensor that stays in cache: a pointwise
+    kernel's flops (one an element), or a function whose evaluation, not its bytes, bounds
+    it (``exp``, ``tanh``: docs/cost-model.md)."""
     x = torch.ones(2**16, device=device)
-    return x.numel() / _fastest_seconds(lambda: x.mul_(1.0), device)
+    return x.numel() / _fastest_seconds(lambda: op(x), device)
 
 
 def _stream_rate(nbytes: int, pool: torch.Tensor) -> float:
@@ -214,8 +211,8 @@ def _stream_rate(nbytes: int, pool: torch.Tensor) -> float:
     wrote long before (a warm input streams up to 2x faster)."""
     count = max(1, pool.numel() * 4 // nbytes)
     inputs = pool[: count * (nbytes // 4)].view(count, -1) if count > 1 else pool.view(1, -1)
-    turn = iter(range(1 << 62))
-    return 2 * nbytes / _fastest_seconds(lambda: inputs[next(turn) % count] + 1, pool.device)
+    slices = itertools.cycle(inputs)
+    return 2 * nbytes / _fastest_seconds(lambda: next(slices) + 1, pool.device)
 
 
 def _read_rate(pool: torch.Tensor) -> float:
@@ -239,20 +236,6 @@ def _two_dtype_rates(pool: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _transcendental_rate(device: torch.device) -> float:
-    """Elements per second of ``exp`` on a tensor that stays in cache: on CPU softmax,
-    gelu and their kernels run at this rate, not at their bytes' (docs/cost-model.md)."""
-    x = torch.ones(2**16, device=device)
-    return x.numel() / _fastest_seconds(x.exp, device)
-
-
-def _tanh_rate(device: torch.device) -> float:
-    """Elements per second of ``tanh`` on a tensor that stays in cache: CPU kernels
-    evaluate it well below ``exp``'s rate."""
-    x = torch.ones(2**16, device=device)
-    return x.numel() / _fastest_seconds(x.tanh, device)
-
-
 def _replay_rate(pool: torch.Tensor) -> float:
     """Elements per second of remat's dropout replay (``apply_dropout_mask``: a cast and
     two multiplies) on a random mask of a dropout-sized activation, read cold with its
@@ -263,13 +246,10 @@ def _replay_rate(pool: torch.Tensor) -> float:
     generator = torch.Generator(pool.device).manual_seed(0)  # the run's stream untouched
     draw = functools.partial(torch.rand, n, generator=generator, device=pool.device)
     masks = [draw() < DROPOUT_KEEP for _ in range(REPLAY_MASKS)]
-    turn = iter(range(1 << 62))
-
-    def replay():
-        k = next(turn)
-        return apply_dropout_mask(inputs[k % count], masks[k % len(masks)], 1 / DROPOUT_KEEP)
-
-    return n / _fastest_seconds(replay, pool.device)
+    pairs = itertools.cycle(zip(inputs, itertools.cycle(masks)))
+    return n / _fastest_seconds(
+        lambda: apply_dropout_mask(*next(pairs), 1 / DROPOUT_KEEP), pool.device
+    )
 
 
 def _softmax_mask_rate(pool: torch.Tensor) -> float:
@@ -277,11 +257,10 @@ def _softmax_mask_rate(pool: torch.Tensor) -> float:
     runs besides its softmax: its time less ``_softmax``'s, over rows of an attention
     score's length (512), read cold: those kernels run far below their bytes' rate."""
     n = MIXED_ELEMENTS
-    rows = pool[: (pool.numel() // n) * n].view(-1, n // SCORE_ROW, SCORE_ROW)
-    turn = iter(range(1 << 62))
+    rows = itertools.cycle(pool[: (pool.numel() // n) * n].view(-1, n // SCORE_ROW, SCORE_ROW))
 
     def seconds(op) -> float:
-        return _fastest_seconds(lambda: op(rows[next(turn) % len(rows)], -1), pool.device)
+        return _fastest_seconds(lambda: op(next(rows), -1), pool.device)
 
     softmax = seconds(functools.partial(aten._softmax, half_to_float=False))
     mask = seconds(aten._safe_softmax) - softmax

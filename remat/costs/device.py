@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from remat.passes._torch_compat import OpOverload
+from remat.passes._torch_compat import OpOverload, op_schema
 from remat.passes.rng import APPLY_DROPOUT_MASK
 from remat.passes.sizes import hint
 
@@ -255,16 +255,17 @@ def _other_kernels_seconds(node: fx.Node, spec: DeviceSpec) -> float:
       bytes describe), then ``* scale``, a second pass over the output at the stream
       rate.
     """
-    out = output_bytes(node)
     if node.target is aten._safe_softmax.default:
         elements = sum(hint(t.numel()) for t in tensors_of(meta_val(node)))
         if spec.softmax_mask_rate < math.inf:
             return elements / spec.softmax_mask_rate + 3 * spec.launch_overhead
         # isneginf reads the input and writes bools, all reads them, where reads the
         # softmax and writes the output
+        out = output_bytes(node)
         moved = (out + elements) + elements + 2 * out
         return moved / spec.stream_rate(out) + 3 * spec.launch_overhead
     if spec.cpu and node.target is aten.native_dropout_backward.default:
+        out = output_bytes(node)
         return 2 * out / spec.stream_rate(out) + spec.launch_overhead
     return 0.0
 
@@ -345,9 +346,9 @@ def _transcendentals(node: fx.Node) -> int:
     target = node.target
     if not isinstance(target, OpOverload) or target.__name__.split(".")[0] not in _TRANSCENDENTAL:
         return 0
-    exponent = arg_value(node, target._schema, "exponent")
-    if target is aten.pow.Tensor_Scalar and exponent in _MULTIPLIED_OUT:
-        return 0
+    if target is aten.pow.Tensor_Scalar:
+        if arg_value(node, op_schema(target), "exponent") in _MULTIPLIED_OUT:
+            return 0
     return sum(hint(t.numel()) for t in tensors_of(meta_val(node)))
 
 
