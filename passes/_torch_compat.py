@@ -96,6 +96,7 @@ __all__ = [
     "mutated_inputs",
     "op_schema",
     "optimization_hint",
+    "plain_dispatch",
     "real_tensors",
     "storage_of",
     "tree_flatten",
@@ -378,6 +379,17 @@ def dispatch_modes_off(kind: type) -> Iterator[None]:
     finally:
         for mode in reversed(popped):
             push_dispatch_mode(mode)
+
+
+@contextlib.contextmanager
+def plain_dispatch() -> Iterator[None]:
+    """Ops dispatched as outside any compile: no dispatch mode (a compile's fake tensor
+    mode included) and no Python dispatcher, which a compile turns on for its thread and
+    under which every op launches 4x slower (docs/cost-model.md, "Calibration")."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._DisablePythonDispatcher():
+        yield
 
 
 def push_dispatch_mode(mode: TorchDispatchMode) -> None:

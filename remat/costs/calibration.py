@@ -3,7 +3,7 @@ datasheet: what a matmul reaches in each dtype the graph computes in, what a poi
 kernel streams at each size (caches, and on CPU the page faults of fresh outputs), what
 an op costs to launch, and how fast the CPU draws random numbers.
 
-Each figure is the fastest of a few timed runs of one small kernel, under a second in all
+Each figure is the median of a few timed runs of one small kernel, under a second in all
 on 2 CPU cores; the plan cache keeps them per machine (``machine_key``), so a process
 with the cache on measures once per machine and torch release. Why calibrate, and the
 figures against the datasheet ones: docs/cost-model.md, "Calibration".
@@ -17,12 +17,13 @@ import hashlib
 import itertools
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from remat.passes._torch_compat import plain_dispatch
 from remat.passes.rng import apply_dropout_mask
 
 from .device import DeviceSpec
@@ -33,7 +34,7 @@ aten = torch.ops.aten
 __all__ = ["calibrated", "enabled", "figures_source", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
-VERSION = 4
+VERSION = 5
 # Output sizes a pointwise kernel is timed at: from within a core's cache to past the
 # last level and (on CPU) glibc's 32 MiB mmap threshold, where fresh outputs page-fault.
 CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
@@ -92,17 +93,11 @@ def calibrated(
 
 @functools.cache
 def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
-    """The figures, measured on a thread of its own: the first compile calls this from
-    inside dynamo, whose thread-local modes (the Python dispatcher) slow every op down
-    (measured: docs/cost-model.md, "Calibration")."""
-    threads = torch.get_num_threads()
-
-    def run() -> dict:
-        torch.set_num_threads(threads)  # a new thread starts at the machine's default
+    """The figures, measured on the caller's thread, where the step's kernels run (a
+    fresh thread timed thin matmuls at half their rate), with dispatch as outside the
+    compile that calls this (docs/cost-model.md, "Calibration")."""
+    with plain_dispatch(), torch.no_grad():
         return measure(torch.device(device), [getattr(torch, d) for d in dtypes])
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="remat-calibration") as pool:
-        return pool.submit(run).result()
 
 
 def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
@@ -167,11 +162,12 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
 # ----------------------------------------------------------------------------- timing
 
 
-def _fastest_seconds(run: Callable[[], object], device: torch.device) -> float:
-    """The fastest of ``RUNS`` timed runs after one untimed: a roofline is a peak, and the
-    fastest run is the one a busy machine or an allocator not yet in its steady state
-    slowed least."""
-    return min(timed_runs(run, device, RUNS, warmup=1))
+def _typical_seconds(run: Callable[[], object], device: torch.device) -> float:
+    """The median of ``RUNS`` timed runs after one untimed: a step meets its kernels at
+    their typical speed, and the median moves less between processes than the fastest
+    run, which a short quiet or busy spell of a shared machine decides
+    (docs/cost-model.md, "Calibration")."""
+    return statistics.median(timed_runs(run, device, RUNS, warmup=1))
 
 
 def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
@@ -189,7 +185,7 @@ def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
     for k in sides:
         pairs = source[: source.numel() // (2 * m * k) * (2 * m * k)].view(-1, 2, m * k)
         products = (a.view(m, k) @ b.view(k, m) for a, b in itertools.cycle(pairs))
-        rates.append([k, 2 * m * m * k / _fastest_seconds(lambda p=products: next(p), pool.device)])
+        rates.append([k, 2 * m * m * k / _typical_seconds(lambda p=products: next(p), pool.device)])
     return rates
 
 
@@ -202,7 +198,7 @@ def _in_cache_rate(device: torch.device, op: Callable[[torch.Tensor], object]) -
     kernel's flops (one an element), or a function whose evaluation, not its bytes, bounds
     it (``exp``, ``tanh``: docs/cost-model.md)."""
     x = torch.ones(2**16, device=device)
-    return x.numel() / _fastest_seconds(lambda: op(x), device)
+    return x.numel() / _typical_seconds(lambda: op(x), device)
 
 
 def _stream_rate(nbytes: int, pool: torch.Tensor) -> float:
@@ -212,13 +208,13 @@ def _stream_rate(nbytes: int, pool: torch.Tensor) -> float:
     count = max(1, pool.numel() * 4 // nbytes)
     inputs = pool[: count * (nbytes // 4)].view(count, -1) if count > 1 else pool.view(1, -1)
     slices = itertools.cycle(inputs)
-    return 2 * nbytes / _fastest_seconds(lambda: next(slices) + 1, pool.device)
+    return 2 * nbytes / _typical_seconds(lambda: next(slices) + 1, pool.device)
 
 
 def _read_rate(pool: torch.Tensor) -> float:
     """Bytes per second reading a value that is no longer in any cache: what a saved
     value costs the backward that reads it back."""
-    return pool.numel() * 4 / _fastest_seconds(pool.sum, pool.device)
+    return pool.numel() * 4 / _typical_seconds(pool.sum, pool.device)
 
 
 def _two_dtype_rates(pool: torch.Tensor) -> dict[str, float]:
@@ -230,9 +226,9 @@ def _two_dtype_rates(pool: torch.Tensor) -> dict[str, float]:
     mask = torch.ones(n, dtype=torch.bool, device=pool.device)
     x, device = pool[:n], pool.device
     return {
-        "mixed": (4 + 1 + 4) * n / _fastest_seconds(lambda: x * mask, device),
-        "select": (4 + 1 + 4) * n / _fastest_seconds(lambda: x.masked_fill(mask, 0.0), device),
-        "cast": (1 + 4) * n / _fastest_seconds(lambda: mask.to(torch.float32), device),
+        "mixed": (4 + 1 + 4) * n / _typical_seconds(lambda: x * mask, device),
+        "select": (4 + 1 + 4) * n / _typical_seconds(lambda: x.masked_fill(mask, 0.0), device),
+        "cast": (1 + 4) * n / _typical_seconds(lambda: mask.to(torch.float32), device),
     }
 
 
@@ -247,7 +243,7 @@ def _replay_rate(pool: torch.Tensor) -> float:
     draw = functools.partial(torch.rand, n, generator=generator, device=pool.device)
     masks = [draw() < DROPOUT_KEEP for _ in range(REPLAY_MASKS)]
     pairs = itertools.cycle(zip(inputs, itertools.cycle(masks)))
-    return n / _fastest_seconds(
+    return n / _typical_seconds(
         lambda: apply_dropout_mask(*next(pairs), 1 / DROPOUT_KEEP), pool.device
     )
 
@@ -260,7 +256,7 @@ def _softmax_mask_rate(pool: torch.Tensor) -> float:
     rows = itertools.cycle(pool[: (pool.numel() // n) * n].view(-1, n // SCORE_ROW, SCORE_ROW))
 
     def seconds(op) -> float:
-        return _fastest_seconds(lambda: op(next(rows), -1), pool.device)
+        return _typical_seconds(lambda: op(next(rows), -1), pool.device)
 
     softmax = seconds(functools.partial(aten._softmax, half_to_float=False))
     mask = seconds(aten._safe_softmax) - softmax
@@ -269,13 +265,13 @@ def _softmax_mask_rate(pool: torch.Tensor) -> float:
 
 def _launch_seconds(device: torch.device) -> float:
     x = torch.zeros(1, device=device)
-    return _fastest_seconds(lambda: [x + 1 for _ in range(100)], device) / 100
+    return _typical_seconds(lambda: [x + 1 for _ in range(100)], device) / 100
 
 
 def _random_rate(device: torch.device) -> float:
     x = torch.empty(2**20, device=device)
     generator = torch.Generator(device).manual_seed(0)  # the run's random stream untouched
-    return x.numel() / _fastest_seconds(
+    return x.numel() / _typical_seconds(
         lambda: x.bernoulli_(DROPOUT_KEEP, generator=generator), device
     )
 

@@ -4,6 +4,8 @@ it."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,20 +91,22 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
 
 def test_the_figures_are_measured_free_of_the_callers_dispatch_modes(monkeypatch, fresh_process):
     """The first compile calibrates from inside dynamo, under the Python dispatcher: the
-    figures are measured on a thread of their own, with the caller's thread count."""
+    figures are measured with it off, on the caller's thread (whose allocator arena the
+    step uses)."""
     seen = {}
 
     def measure(device, dtypes):
         included = torch._C._dispatch_tls_local_include_set()
         seen["python dispatcher"] = included.has(torch._C.DispatchKey.PythonDispatcher)
         seen["threads"] = torch.get_num_threads()
+        seen["thread"] = threading.get_ident()
         raise RuntimeError("measured")
 
     monkeypatch.setattr(calibration, "measure", measure)
     threads = torch.get_num_threads()
     with enable_python_dispatcher(), pytest.raises(RuntimeError, match="measured"):
         calibration.calibrated(CPU, {torch.float32})
-    assert seen == {"python dispatcher": False, "threads": threads}
+    assert seen == {"python dispatcher": False, "threads": threads, "thread": threading.get_ident()}
 
 
 class Tiny(nn.Module):
