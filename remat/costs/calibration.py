@@ -23,6 +23,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+try:
+    import resource  # page faults, where the platform counts them (not on Windows)
+except ImportError:
+    resource = None
+
 from remat.passes._torch_compat import plain_dispatch
 from remat.passes.rng import apply_dropout_mask
 
@@ -43,8 +48,12 @@ CUDA_SIZES = tuple(2**k for k in (20, 22, 24, 26, 28, 30))
 # attention head's 64) runs below the rate of a large one (docs/cost-model.md)
 MATMUL_SIDES = {"cpu": (64, 128, 256, 512), "cuda": (64, 256, 1024, 4096)}
 RUNS = 5  # timed runs per figure, after one untimed
+RETRIES = 10  # on CPU, runs more where runs faulted pages in (see ``_typical_seconds``)
+FAULT_SLACK = 16  # pages a run may fault that are the interpreter's, not the kernel's output
 MIXED_ELEMENTS = 1 << 22  # a dropout-sized activation
-ALLOCATOR_WARMUP = 32 << 20  # bytes: glibc's largest mmap threshold (see ``measure``)
+# bytes: a block glibc maps, whose free raises its mmap threshold to its size; under the
+# 32 MiB cap with its header (a 32 MiB block raised nothing), see ``measure``
+ALLOCATOR_WARMUP = 31 << 20
 SCORE_ROW = 512  # an attention score row's length: a sequence
 REPLAY_MASKS = 4  # masks the replay is timed over: past a core's caches, few to draw
 DROPOUT_KEEP = 0.9  # the keep probability drawn: CPU's bernoulli_ runs 2x slower at 0.5
@@ -94,8 +103,8 @@ def calibrated(
 @functools.cache
 def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
     """The figures, measured on the caller's thread, where the step's kernels run (a
-    fresh thread timed thin matmuls at half their rate), with dispatch as outside the
-    compile that calls this (docs/cost-model.md, "Calibration")."""
+    fresh thread timed thin matmuls slower), with dispatch as outside the compile that
+    calls this (docs/cost-model.md, "Calibration")."""
     with plain_dispatch(), torch.no_grad():
         return measure(torch.device(device), [getattr(torch, d) for d in dtypes])
 
@@ -109,8 +118,8 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     (CPU)."""
     start = time.perf_counter()
     # glibc maps a fresh block (page faults on every touch) for any allocation above a
-    # threshold that rises to the largest block freed, up to 32 MiB: a step's frees raise
-    # it, so the allocator is measured as a step leaves it, not as a new process has it
+    # threshold that rises to the largest mapped block freed, up to 32 MiB: a step's frees
+    # raise it, so the allocator is measured as a step leaves it, not as a new process has it
     if device.type == "cpu":
         torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
@@ -162,12 +171,31 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
 # ----------------------------------------------------------------------------- timing
 
 
-def _typical_seconds(run: Callable[[], object], device: torch.device) -> float:
+def _typical_seconds(
+    run: Callable[[], object], device: torch.device, *, fresh_output: bool = False
+) -> float:
     """The median of ``RUNS`` timed runs after one untimed: a step meets its kernels at
     their typical speed, and the median moves less between processes than the fastest
-    run, which a short quiet or busy spell of a shared machine decides
-    (docs/cost-model.md, "Calibration")."""
-    return statistics.median(timed_runs(run, device, RUNS, warmup=1))
+    run, which a short quiet or busy spell of a shared machine decides.
+
+    On CPU, of runs that faulted no pages in: whether an output lands on pages the process
+    already holds depends on what it freed before, not on the kernel, and a run that
+    faults them in takes several times as long (docs/cost-model.md, "Calibration"). With
+    ``fresh_output`` (an output above glibc's mmap threshold, mapped afresh every time)
+    the faults are the kernel's cost and count."""
+    if fresh_output or device.type != "cpu" or resource is None:
+        return statistics.median(timed_runs(run, device, RUNS, warmup=1))
+    run()
+    clean, faulted = [], []
+    while len(clean) < RUNS and len(clean) + len(faulted) < RUNS + RETRIES:
+        before = _minor_faults()
+        seconds = timed_runs(run, device, 1, warmup=0)[0]
+        (faulted if _minor_faults() - before > FAULT_SLACK else clean).append(seconds)
+    return statistics.median(clean or faulted)
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
@@ -208,7 +236,8 @@ def _stream_rate(nbytes: int, pool: torch.Tensor) -> float:
     count = max(1, pool.numel() * 4 // nbytes)
     inputs = pool[: count * (nbytes // 4)].view(count, -1) if count > 1 else pool.view(1, -1)
     slices = itertools.cycle(inputs)
-    return 2 * nbytes / _typical_seconds(lambda: next(slices) + 1, pool.device)
+    fresh = nbytes > ALLOCATOR_WARMUP
+    return 2 * nbytes / _typical_seconds(lambda: next(slices) + 1, pool.device, fresh_output=fresh)
 
 
 def _read_rate(pool: torch.Tensor) -> float:
