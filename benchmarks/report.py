@@ -380,6 +380,16 @@ SCRIPT_TABLES: dict[str, list] = {
         ("estimated", "estimated_s", seconds),
         ("error", "error", signed_percent),
     ],
+    "page_faults": [
+        ("model", "model", plain),
+        ("allocator", "allocator", plain),
+        ("budget", "budget", plain),
+        ("step", "step_s", seconds),
+        ("spread", "spread", percent(1)),
+        ("page faults / step", "faults per step", fixed(0)),
+        ("step (est.)", "estimated_s", seconds),
+        ("est. err", "error", signed_percent),
+    ],
     "step_with_graph_break": [
         ("fraction of eager", "fraction of eager", plain),
         ("budget", "budget", mib),
@@ -664,6 +674,10 @@ def cuda_check(data: dict) -> str:
     return "\n\n".join(parts)
 
 
+# scripts run once per model, each model's result named SCRIPT_MODEL
+PER_MODEL = ("step_time", "page_faults")
+
+
 def script_table(name: str, view: str | None, data) -> str:
     if name.startswith("varying_sizes"):
         return varying_sizes(data, view)
@@ -679,8 +693,9 @@ def script_table(name: str, view: str | None, data) -> str:
         return reversible_numerics(data)
     if name == "cuda_check":
         return cuda_check(data)
-    if name.startswith("step_time_"):  # step_time.py on another model
-        return columns(data, SCRIPT_TABLES["step_time"])
+    for script in PER_MODEL:  # the script's table of another model
+        if name.startswith(f"{script}_"):
+            return columns(data, SCRIPT_TABLES[script])
     return columns(data, SCRIPT_TABLES[name])
 
 
