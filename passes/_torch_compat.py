@@ -385,7 +385,7 @@ def dispatch_modes_off(kind: type) -> Iterator[None]:
 def plain_dispatch() -> Iterator[None]:
     """Ops dispatched as outside any compile: no dispatch mode (a compile's fake tensor
     mode included) and no Python dispatcher, which a compile turns on for its thread and
-    under which every op launches 4x slower (docs/cost-model.md, "Calibration")."""
+    under which every op launches slower (docs/cost-model.md, "Calibration")."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch._C._DisablePythonDispatcher():
