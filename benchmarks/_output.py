@@ -1,5 +1,6 @@
 """A benchmark script's rows (a list of flat dicts): chosen by name, shown as they come,
-written as JSON and CSV; and the parser and models of a script over transformers."""
+written as JSON and CSV; the parser and models of a script over transformers; and the
+parser and warmed-up model of a script that times an example's steps under remat."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from tabulate import tabulate
+
+import remat
+from remat.tools.arguments import size_option
+from remat.tools.examples import load
 
 
 def write_rows(rows: list[dict], json_path: Path | None, csv_path: Path | None) -> None:
@@ -68,3 +74,31 @@ def model_parser(doc: str, known) -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--csv", type=Path)
     return parser
+
+
+def step_parser(doc: str, model: str, budgets: str, steps: int) -> argparse.ArgumentParser:
+    """A parser for a script that times an example model's steps under remat: MODEL
+    (default ``model``), ``--size``, ``--budgets``, ``--threads``, ``--steps``, ``--json``
+    and ``--csv``; the script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=model)
+    parser.add_argument("--size", action="append", default=[], type=size_option)
+    parser.add_argument("--budgets", default=budgets)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--csv", type=Path)
+    return parser
+
+
+def warmed_up(model_spec: str, size: dict, budget: float) -> tuple:
+    """``(model, inputs, optimized)``: the example seeded, under ``remat.optimize`` at
+    ``budget`` with the plan cache off (planning runs), after two untimed steps, so that
+    the steps a script times next are a training loop's steady state."""
+    torch.manual_seed(0)
+    model, inputs = load(model_spec, **size)
+    optimized = remat.optimize(model, budget=budget, cache=False)
+    for _ in range(2):
+        optimized(*inputs).backward()
+        model.zero_grad(set_to_none=True)
+    return model, inputs, optimized

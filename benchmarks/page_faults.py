@@ -33,12 +33,8 @@ from pathlib import Path
 
 import torch
 
-import remat
-from remat.tools.arguments import size_option
-from remat.tools.examples import load
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _output import finished, shown  # noqa: E402
+from _output import finished, shown, step_parser, warmed_up  # noqa: E402
 
 SETTINGS = {
     "glibc defaults": {},
@@ -52,12 +48,7 @@ def minor_faults() -> int:
 
 def measure(model_spec: str, size: dict, budget: float, steps: int) -> dict:
     """One budget's row, in this process."""
-    torch.manual_seed(0)
-    model, inputs = load(model_spec, **size)
-    optimized = remat.optimize(model, budget=budget, cache=False)
-    for _ in range(2):
-        optimized(*inputs).backward()
-        model.zero_grad(set_to_none=True)
+    model, inputs, optimized = warmed_up(model_spec, size, budget)
     times, faults = [], []
     for _ in range(steps):
         before, start = minor_faults(), time.perf_counter()
@@ -87,14 +78,7 @@ def child(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="hf-gpt2")
-    parser.add_argument("--size", action="append", default=[], type=size_option)
-    parser.add_argument("--budgets", default="1.0,0.5")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--steps", type=int, default=9)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--csv", type=Path)
+    parser = step_parser(__doc__, "hf-gpt2", "1.0,0.5", 9)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

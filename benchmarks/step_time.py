@@ -16,7 +16,6 @@ Results: docs/cost-model.md, "The estimate against the clock".
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import sys
@@ -26,12 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import remat
-from remat.tools.arguments import size_option
-from remat.tools.examples import load
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _output import finished, shown  # noqa: E402
+from _output import finished, shown, step_parser, warmed_up  # noqa: E402
 
 
 def op_name(target) -> str:
@@ -53,12 +48,7 @@ def estimated_by_op(graph) -> collections.Counter:
 
 def measure(model_spec: str, size: dict, budget: float, steps: int) -> tuple[dict, dict]:
     """(the step row, per-op measured and estimated seconds) of one budget."""
-    torch.manual_seed(0)
-    model, inputs = load(model_spec, **size)
-    optimized = remat.optimize(model, budget=budget, cache=False)
-    for _ in range(2):
-        optimized(*inputs).backward()
-        model.zero_grad(set_to_none=True)
+    model, inputs, optimized = warmed_up(model_spec, size, budget)
     times = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -86,15 +76,8 @@ def measure(model_spec: str, size: dict, budget: float, steps: int) -> tuple[dic
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="gpt")
-    parser.add_argument("--size", action="append", default=[], type=size_option)
-    parser.add_argument("--budgets", default="1.0,0.5")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--steps", type=int, default=5)
+    parser = step_parser(__doc__, "gpt", "1.0,0.5", 5)
     parser.add_argument("--ops", type=int, default=12, help="ops listed per budget")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     size = dict(args.size)
