@@ -3,9 +3,10 @@ datasheet: what a matmul reaches in each dtype the graph computes in, what a poi
 kernel streams at each size (caches, and on CPU the page faults of fresh outputs), what
 an op costs to launch, and how fast the CPU draws random numbers.
 
-Each figure is the median of a few timed runs of one small kernel, under a second in all
-on 2 CPU cores; the plan cache keeps them per machine (``machine_key``), so a process
-with the cache on measures once per machine and torch release. Why calibrate, and the
+Each figure is the median of three rounds, each the median of a few timed runs of one
+small kernel, a few seconds in all on one CPU thread; the plan cache keeps them per
+machine (``machine_key``), so a process with the cache on measures once per machine and
+torch release. Why calibrate, and the
 figures against the datasheet ones: docs/cost-model.md, "Calibration".
 """
 
@@ -39,7 +40,7 @@ aten = torch.ops.aten
 __all__ = ["calibrated", "enabled", "figures_source", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
-VERSION = 5
+VERSION = 6
 # Output sizes a pointwise kernel is timed at: from within a core's cache to past the
 # last level and (on CPU) glibc's 32 MiB mmap threshold, where fresh outputs page-fault.
 CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
@@ -48,6 +49,10 @@ CUDA_SIZES = tuple(2**k for k in (20, 22, 24, 26, 28, 30))
 # attention head's 64) runs below the rate of a large one (docs/cost-model.md)
 MATMUL_SIDES = {"cpu": (64, 128, 256, 512), "cuda": (64, 256, 1024, 4096)}
 RUNS = 5  # timed runs per figure, after one untimed
+# whole calibrations made, each figure the median of theirs: a slow spell of a shared
+# machine moves every figure timed in it, so one round of three it lasts is outvoted
+# (docs/cost-model.md, "Figures that stay put")
+ROUNDS = 3
 RETRIES = 10  # on CPU, runs more where runs faulted pages in (see ``_typical_seconds``)
 FAULT_SLACK = 16  # pages a run may fault that are the interpreter's, not the kernel's output
 MIXED_ELEMENTS = 1 << 22  # a dropout-sized activation
@@ -115,15 +120,35 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     a value back from memory, bytes/s of pointwise kernels over two dtypes, elements/s of
     a transcendental function (``exp``, and ``tanh`` apart), elements/s of remat's dropout
     replay and of ``_safe_softmax``'s mask, seconds per launch, random numbers per second
-    (CPU)."""
+    (CPU). Each the median of ``ROUNDS`` rounds (``_round``); ``seconds`` is what they
+    took."""
     start = time.perf_counter()
+    dtypes = tuple(dtypes)
+    figures = _median_figures([_round(device, dtypes) for _ in range(ROUNDS)])
+    figures["seconds"] = time.perf_counter() - start
+    return figures
+
+
+def _median_figures(rounds: list):
+    """Figure by figure, the median of the rounds' figures (dicts and lists of them alike,
+    ``None`` where a device has no such figure)."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {name: _median_figures([r[name] for r in rounds]) for name in first}
+    if isinstance(first, list):
+        return [_median_figures(list(same)) for same in zip(*rounds, strict=True)]
+    return None if first is None else statistics.median(rounds)
+
+
+def _round(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> dict:
+    """One round of every figure, timed one after another."""
     # glibc maps a fresh block (page faults on every touch) for any allocation above a
     # threshold that rises to the largest mapped block freed, up to 32 MiB: a step's frees
     # raise it, so the allocator is measured as a step leaves it, not as a new process has it
     if device.type == "cpu":
         torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
-    figures = {
+    return {
         "matmul": {_name(d): _matmul_rates(pool, d) for d in dtypes},
         "pointwise": _in_cache_rate(device, lambda x: x.mul_(1.0)),
         "stream": [[n, _stream_rate(n, pool)] for n in _sizes(device)],
@@ -136,8 +161,6 @@ def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
         "launch": _launch_seconds(device),
         "random": _random_rate(device) if device.type == "cpu" else None,
     }
-    figures["seconds"] = time.perf_counter() - start
-    return figures
 
 
 def _spec(device: torch.device, figures: dict) -> DeviceSpec:
