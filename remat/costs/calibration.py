@@ -40,7 +40,7 @@ aten = torch.ops.aten
 __all__ = ["calibrated", "enabled", "figures_source", "machine_key", "measure"]
 
 # A change to what is measured or how: older entries in the cache are measured again.
-VERSION = 6
+VERSION = 7
 # Output sizes a pointwise kernel is timed at: from within a core's cache to past the
 # last level and (on CPU) glibc's 32 MiB mmap threshold, where fresh outputs page-fault.
 CPU_SIZES = tuple(2**k for k in (18, 20, 22, 24, 26, 28))
@@ -48,6 +48,10 @@ CUDA_SIZES = tuple(2**k for k in (20, 22, 24, 26, 28, 30))
 # the inner sides of the matmuls timed: a matmul whose smallest dimension is small (an
 # attention head's 64) runs below the rate of a large one (docs/cost-model.md)
 MATMUL_SIDES = {"cpu": (64, 128, 256, 512), "cuda": (64, 256, 1024, 4096)}
+# a batched matmul timed as attention runs it: heads of (SEQ x HEAD) @ (HEAD x SEQ), and
+# the scores times the values; its operands and outputs pass the caches, where the single
+# matmul's stay in them (docs/cost-model.md, "Calibration")
+ATTENTION = {"heads": 16, "seq": 512, "head": 64}
 RUNS = 5  # timed runs per figure, after one untimed
 # whole calibrations made, each figure the median of theirs: a slow spell of a shared
 # machine moves every figure timed in it, so one round of three it lasts is outvoted
@@ -150,6 +154,7 @@ def _round(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> dict:
     pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     return {
         "matmul": {_name(d): _matmul_rates(pool, d) for d in dtypes},
+        "batched": {_name(d): _batched_rate(pool, d) for d in dtypes},
         "pointwise": _in_cache_rate(device, lambda x: x.mul_(1.0)),
         "stream": [[n, _stream_rate(n, pool)] for n in _sizes(device)],
         "read": _read_rate(pool),
@@ -178,6 +183,10 @@ def _spec(device: torch.device, figures: dict) -> DeviceSpec:
         matmul_sides=tuple(
             (dtype, tuple((int(n), float(r)) for n, r in rates))
             for dtype, rates in sorted(figures["matmul"].items())
+        ),
+        batched_matmul=tuple(
+            (dtype, ATTENTION["head"], float(rate))
+            for dtype, rate in sorted(figures["batched"].items())
         ),
         random_per_second=base.random_per_second if random is None else random,
         mixed_rate=figures["mixed"],
@@ -238,6 +247,20 @@ def _matmul_rates(pool: torch.Tensor, dtype: torch.dtype) -> list[list[float]]:
         products = (a.view(m, k) @ b.view(k, m) for a, b in itertools.cycle(pairs))
         rates.append([k, 2 * m * m * k / _typical_seconds(lambda p=products: next(p), pool.device)])
     return rates
+
+
+def _batched_rate(pool: torch.Tensor, dtype: torch.dtype) -> float:
+    """FLOP/s of attention's two batched matmuls in ``dtype`` (``ATTENTION``): the queries
+    times the keys, writing the scores, and the scores times the values, reading them;
+    operands sliced from ``pool``, read cold."""
+    h, n, d = ATTENTION["heads"], ATTENTION["seq"], ATTENTION["head"]
+    source = pool if pool.dtype == dtype else pool.to(dtype)
+    q, k, v = (source[i * h * n * d : (i + 1) * h * n * d] for i in range(3))
+    scores = source[3 * h * n * d : 3 * h * n * d + h * n * n].view(h, n, n)
+    q, k, v = q.view(h, n, d), k.view(h, d, n), v.view(h, n, d)
+    seconds = _typical_seconds(lambda: torch.bmm(q, k), pool.device)
+    seconds += _typical_seconds(lambda: torch.bmm(scores, v), pool.device)
+    return 2 * (2 * h * n * n * d) / seconds
 
 
 def _peaks(matmul: dict[str, list]) -> dict[str, float]:

@@ -90,6 +90,9 @@ class DeviceSpec:
     matmul_peaks: tuple[tuple[str, float], ...] = ()
     # measured (dtype, ((inner side, FLOP/s), ...)) of matmuls (``calibration``)
     matmul_sides: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    # measured (dtype, inner side, FLOP/s) of attention's batched matmuls (``calibration``):
+    # a batched matmul runs at ``matmul_sides``' rate scaled as this one is at its side
+    batched_matmul: tuple[tuple[str, int, float], ...] = ()
     random_per_second: float = math.inf  # random numbers drawn per second
     # measured (output bytes, bytes moved per second) of a pointwise kernel writing a fresh
     # output, ascending (``calibration``); empty: ``bandwidth`` at every size
@@ -119,15 +122,22 @@ class DeviceSpec:
         a fresh output is where the cliffs are (on CPU, page faults past 32 MiB)."""
         return _interpolated(self.stream, nbytes) if self.stream else self.bandwidth
 
-    def matmul_rate(self, dtype: torch.dtype | None, side: int | None) -> float:
+    def matmul_rate(
+        self, dtype: torch.dtype | None, side: int | None, *, batched: bool = False
+    ) -> float:
         """FLOP/s of a matmul in ``dtype`` whose smallest dimension is ``side``: the
         measured ``matmul_sides`` interpolated in log side (flat past their ends), else
-        the peak."""
+        the peak. ``batched`` (``bmm``): times the measured batched matmul's rate over the
+        single one's at its side, where measured."""
         key = str(dtype).removeprefix("torch.")
         rates = dict(self.matmul_sides).get(key)
         if side is None or not rates:
             return self.matmul_peak(dtype)
-        return _interpolated(rates, side)
+        rate = _interpolated(rates, side)
+        for name, at, batched_rate in self.batched_matmul if batched else ():
+            if name == key:
+                rate *= batched_rate / _interpolated(rates, at)
+        return rate
 
     def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Peak FLOP/s of a matmul-class op computing in ``dtype``."""
@@ -226,7 +236,8 @@ def estimate_seconds(node: fx.Node, spec: DeviceSpec) -> float:
         return _apply_dropout_mask_seconds(node, spec)
     f = flops(node)
     if flop_formula(node.target):
-        peak = spec.matmul_rate(_compute_dtype(node), _smallest_side(node))
+        batched = node.target in _BATCHED_MATMULS
+        peak = spec.matmul_rate(_compute_dtype(node), _smallest_side(node), batched=batched)
     else:
         peak = spec.peak_flops
     drawing = random_numbers(node) / spec.random_per_second
@@ -328,6 +339,7 @@ _TRANSCENDENTAL = frozenset(
 
 
 _MATMULS = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default))
+_BATCHED_MATMULS = frozenset((aten.bmm.default, aten.baddbmm.default))
 
 
 def _smallest_side(node: fx.Node) -> int | None:

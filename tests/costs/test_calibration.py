@@ -29,6 +29,8 @@ def test_every_figure_is_measured_and_positive(figures):
     for rates in figures["matmul"].values():
         sides = [n for n, _ in rates]
         assert sides == sorted(sides) and all(rate > 0 for _, rate in rates)
+    assert set(figures["batched"]) == {"float32", "bfloat16"}
+    assert all(rate > 0 for rate in figures["batched"].values())
     rates = ("pointwise", "read", "random", "mixed", "select", "cast", "transcendental", "tanh")
     rates += ("replay", "softmax mask")
     assert all(figures[name] > 0 for name in rates)
@@ -61,6 +63,7 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
         measured.append(device)
         return {
             "matmul": {"float32": [[64, 5e10], [512, 2e11]]},
+            "batched": {"float32": 4e10},
             "pointwise": 1e10,
             "stream": [[1 << 20, 5e10], [1 << 28, 7e9]],
             "read": 3e10,
@@ -86,6 +89,9 @@ def test_the_figures_are_kept_per_machine_in_the_plan_cache(tmp_path, monkeypatc
     assert first.matmul_peak(torch.float32) == 2e11 and first.bandwidth == 3e10
     assert first.matmul_rate(torch.float32, 64) == 5e10  # a thin matmul at its own rate
     assert 5e10 < first.matmul_rate(torch.float32, 128) < 2e11
+    # a batched matmul (attention's) at the single one's rate as scaled at its side
+    assert first.matmul_rate(torch.float32, 64, batched=True) == pytest.approx(4e10)
+    assert first.matmul_rate(torch.float32, 512, batched=True) == pytest.approx(1.6e11)
     assert first.stream_rate(1 << 30) == 7e9 and first.name.endswith("calibrated")
 
 

@@ -51,6 +51,27 @@ def test_estimate_seconds_is_a_roofline():
     assert estimate_seconds(relu, fast_mm) == estimate_seconds(relu, spec)  # not a matmul
 
 
+def test_a_batched_matmul_runs_at_the_batched_rate_measured():
+    """Attention's ``bmm`` passes the caches where a single matmul of its side stays in
+    them: it runs at the single matmul's rate scaled as the measured batched one is."""
+
+    def build(g, a, b, x, y):
+        return (
+            g.call_function(aten.mm.default, (a, b)),
+            g.call_function(aten.bmm.default, (x, y)),
+        )
+
+    inputs = (torch.randn(512, 64), torch.randn(64, 512))
+    gm = _fake_graph(build, *inputs, torch.randn(1, 512, 64), torch.randn(1, 64, 512))
+    mm, bmm = _calls(gm)
+    sides = (("float32", ((64, 8e10), (512, 1e11))),)
+    spec = DeviceSpec("t", 1e12, 1e12, 0.0, matmul_sides=sides)
+    assert estimate_seconds(bmm, spec) == pytest.approx(estimate_seconds(mm, spec))
+    batched = dataclasses.replace(spec, batched_matmul=(("float32", 64, 6e10),))
+    assert estimate_seconds(mm, batched) == estimate_seconds(mm, spec)  # not batched
+    assert estimate_seconds(bmm, batched) == pytest.approx(estimate_seconds(mm, spec) * 8 / 6)
+
+
 def test_an_op_that_runs_more_kernels_costs_them():
     """``_safe_softmax`` runs a mask's three kernels beside its softmax, CPU's
     ``native_dropout_backward`` a second multiply, ``tanh`` and remat's dropout replay
