@@ -1,13 +1,14 @@
 """The roofline's figures measured on the machine that runs the step, not read off a
-datasheet: what a matmul reaches in each dtype the graph computes in, what a pointwise
-kernel streams at each size (caches, and on CPU the page faults of fresh outputs), what
-an op costs to launch, and how fast the CPU draws random numbers.
+datasheet: what a matmul reaches in each dtype the graph computes in (alone, and batched
+as attention runs it), what a pointwise kernel streams at each size (caches, and on CPU
+the page faults of fresh outputs), what an op costs to launch, and how fast the CPU draws
+random numbers.
 
 Each figure is the median of three rounds, each the median of a few timed runs of one
 small kernel, a few seconds in all on one CPU thread; the plan cache keeps them per
 machine (``machine_key``), so a process with the cache on measures once per machine and
-torch release. Why calibrate, and the
-figures against the datasheet ones: docs/cost-model.md, "Calibration".
+torch release. Why calibrate, and the figures against the datasheet ones:
+docs/cost-model.md, "Calibration".
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
 
 
 def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
-    """The figures, timed now: matmul FLOP/s per dtype, pointwise FLOP/s, streaming
+    """The figures, timed now: matmul FLOP/s per dtype (single, and batched as attention
+    runs them), pointwise FLOP/s, streaming
     bytes/s by output bytes (fresh outputs, as eager allocates them), bytes/s reading
     a value back from memory, bytes/s of pointwise kernels over two dtypes, elements/s of
     a transcendental function (``exp``, and ``tanh`` apart), elements/s of remat's dropout
