@@ -256,7 +256,7 @@ def _batched_rate(pool: torch.Tensor, dtype: torch.dtype) -> float:
     times the keys, writing the scores, and the scores times the values, reading them;
     operands sliced from ``pool``, read cold."""
     h, n, d = ATTENTION["heads"], ATTENTION["seq"], ATTENTION["head"]
-    source = pool if pool.dtype == dtype else pool.to(dtype)
+    source = pool[: 3 * h * n * d + h * n * n].to(dtype)  # a view where ``dtype`` is pool's
     q, k, v = (source[i * h * n * d : (i + 1) * h * n * d] for i in range(3))
     scores = source[3 * h * n * d : 3 * h * n * d + h * n * n].view(h, n, n)
     q, k, v = q.view(h, n, d), k.view(h, d, n), v.view(h, n, d)
