@@ -121,16 +121,21 @@ def _figures(device: str, dtypes: tuple[str, ...]) -> dict:
 
 def measure(device: torch.device, dtypes: Iterable[torch.dtype]) -> dict:
     """The figures, timed now: matmul FLOP/s per dtype (single, and batched as attention
-    runs them), pointwise FLOP/s, streaming
-    bytes/s by output bytes (fresh outputs, as eager allocates them), bytes/s reading
-    a value back from memory, bytes/s of pointwise kernels over two dtypes, elements/s of
-    a transcendental function (``exp``, and ``tanh`` apart), elements/s of remat's dropout
-    replay and of ``_safe_softmax``'s mask, seconds per launch, random numbers per second
-    (CPU). Each the median of ``ROUNDS`` rounds (``_round``); ``seconds`` is what they
-    took."""
+    runs them), pointwise FLOP/s, streaming bytes/s by output bytes (fresh outputs, as
+    eager allocates them), bytes/s reading a value back from memory, bytes/s of pointwise
+    kernels over two dtypes, elements/s of a transcendental function (``exp``, and
+    ``tanh`` apart), elements/s of remat's dropout replay and of ``_safe_softmax``'s mask,
+    seconds per launch, random numbers per second (CPU). Each the median of ``ROUNDS``
+    rounds (``_round``); ``seconds`` is what they took."""
     start = time.perf_counter()
+    # glibc maps a fresh block (page faults on every touch) for any allocation above a
+    # threshold that rises to the largest mapped block freed, up to 32 MiB: a step's frees
+    # raise it, so the allocator is measured as a step leaves it, not as a new process has it
+    if device.type == "cpu":
+        torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
+    pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
     dtypes = tuple(dtypes)
-    figures = _median_figures([_round(device, dtypes) for _ in range(ROUNDS)])
+    figures = _median_figures([_round(pool, dtypes) for _ in range(ROUNDS)])
     figures["seconds"] = time.perf_counter() - start
     return figures
 
@@ -146,14 +151,9 @@ def _median_figures(rounds: list):
     return None if first is None else statistics.median(rounds)
 
 
-def _round(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> dict:
-    """One round of every figure, timed one after another."""
-    # glibc maps a fresh block (page faults on every touch) for any allocation above a
-    # threshold that rises to the largest mapped block freed, up to 32 MiB: a step's frees
-    # raise it, so the allocator is measured as a step leaves it, not as a new process has it
-    if device.type == "cpu":
-        torch.empty(ALLOCATOR_WARMUP, dtype=torch.uint8).fill_(0)  # freed at once
-    pool = torch.ones(max(_sizes(device)) // 4, device=device)  # past every cache
+def _round(pool: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> dict:
+    """One round of every figure, timed one after another, reading cold from ``pool``."""
+    device = pool.device
     return {
         "matmul": {_name(d): _matmul_rates(pool, d) for d in dtypes},
         "batched": {_name(d): _batched_rate(pool, d) for d in dtypes},
@@ -256,10 +256,10 @@ def _batched_rate(pool: torch.Tensor, dtype: torch.dtype) -> float:
     times the keys, writing the scores, and the scores times the values, reading them;
     operands sliced from ``pool``, read cold."""
     h, n, d = ATTENTION["heads"], ATTENTION["seq"], ATTENTION["head"]
-    source = pool[: 3 * h * n * d + h * n * n].to(dtype)  # a view where ``dtype`` is pool's
-    q, k, v = (source[i * h * n * d : (i + 1) * h * n * d] for i in range(3))
-    scores = source[3 * h * n * d : 3 * h * n * d + h * n * n].view(h, n, n)
-    q, k, v = q.view(h, n, d), k.view(h, d, n), v.view(h, n, d)
+    parts = [h * n * d] * 3 + [h * n * n]
+    source = pool[: sum(parts)].to(dtype)  # a view where ``dtype`` is pool's
+    q, k, v, scores = source.split(parts)
+    q, k, v, scores = q.view(h, n, d), k.view(h, d, n), v.view(h, n, d), scores.view(h, n, n)
     seconds = _typical_seconds(lambda: torch.bmm(q, k), pool.device)
     seconds += _typical_seconds(lambda: torch.bmm(scores, v), pool.device)
     return 2 * (2 * h * n * n * d) / seconds

@@ -134,9 +134,10 @@ class DeviceSpec:
         if side is None or not rates:
             return self.matmul_peak(dtype)
         rate = _interpolated(rates, side)
-        for name, at, batched_rate in self.batched_matmul if batched else ():
-            if name == key:
-                rate *= batched_rate / _interpolated(rates, at)
+        measured = {name: (at, r) for name, at, r in self.batched_matmul}.get(key)
+        if batched and measured:
+            at, batched_rate = measured
+            rate *= batched_rate / _interpolated(rates, at)
         return rate
 
     def matmul_peak(self, dtype: torch.dtype | None) -> float:

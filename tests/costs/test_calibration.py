@@ -161,7 +161,7 @@ def test_a_slow_round_is_outvoted(monkeypatch):
         ]
     )
     monkeypatch.setattr(calibration, "ROUNDS", 3)
-    monkeypatch.setattr(calibration, "_round", lambda device, dtypes: next(rounds))
+    monkeypatch.setattr(calibration, "_round", lambda pool, dtypes: next(rounds))
     figures = calibration.measure(CPU, [torch.float32])
     assert figures["matmul"] == {"float32": [[64, 93e9]]}
     assert figures["stream"] == [[2**18, 30e9]] and figures["random"] is None
