@@ -42,7 +42,7 @@ with needed():
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
     from torch._guards import CompileContext, CompileId
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
@@ -66,6 +66,7 @@ __all__ = [
     "ConstraintViolationError",
     "FailOnRecompileLimitHit",
     "FakeTensor",
+    "FakeTensorMode",
     "TorchDispatchMode",
     "aot_autograd",
     "autograd_in_kernel",

@@ -245,6 +245,7 @@ def _compiled_copy(
         return compiled(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        rb.before_first_step(model, args, kwargs)  # the program as given, under fake tensors
         rb.steps.entering((args, kwargs))  # before the hooks: FSDP's all-gathers are the step's
         return nn.Module.__call__(self, *args, **kwargs)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from remat.as_given import eager_phases
 from remat.cache import PlanCache
 from remat.compiled import CompiledGraph, GraphPlan, Leaves
 from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
@@ -76,10 +77,34 @@ class RematBackend:
         self.steps = StepRunner(budget, solver, cache, replan=self.planner.replan)
         # (dynamo frame, input name) -> the largest sizes its traces had (``_largest_seen``)
         self._largest: dict[tuple, tuple] = {}
+        self._eager_run = False  # ``before_first_step`` ran the module's eager step
 
     @property
     def graphs(self) -> list[GraphPlan]:
         return self.planner.graphs
+
+    def before_first_step(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before the first training call of ``module`` compiles: its eager step run under
+        fake tensors (``as_given.eager_phases``), so a fraction of the budget is of at most
+        the program as given, where the module compiles to one graph at these sizes. Only
+        for a fraction (bytes and ``"min"`` do not depend on it), and not across ranks
+        (the module's hooks would run collectives on fake tensors)."""
+        budget = self.planner.budget
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self._eager_run or budget.fraction is None or distributed:
+            return
+        if not torch.is_grad_enabled():
+            return
+        self._eager_run = True
+        start = time.perf_counter()
+        with self.steps.paused():
+            self.planner.as_given = eager_phases(module, args, kwargs)
+        if self.planner.as_given is not None:
+            log.info(
+                "remat: the module's eager step, run under fake tensors in %.1fs, peaks at %s",
+                time.perf_counter() - start,
+                format_bytes(max(self.planner.as_given.forward, self.planner.as_given.backward)),
+            )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
         self.compiles += 1

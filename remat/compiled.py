@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from remat.as_given import Phases
 from remat.passes._torch_compat import CompileId
 from remat.passes.extract import Extracted
 from remat.passes.sizes import Binding, Sizes
@@ -47,6 +48,10 @@ class GraphPlan:
     yours: Plan | None = None
     # torch's own partition as a plan (``candidates.torch_partition``), where ``auto`` made it
     theirs: Plan | None = None
+    # where it is the whole forward of a module whose eager step was run under fake tensors
+    # at its sizes (``remat.as_given``): that step's phases as measured (``as_measured``),
+    # which a fraction is capped by
+    as_given: Phases | None = None
     # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
     figures: str = "calibrated"
 

@@ -27,6 +27,7 @@ from torch import fx
 
 from remat import costs
 from remat.agree import planning_solver
+from remat.as_given import Phases, as_measured, below_eager, graph_eager_peak
 from remat.cache import PlanCache
 from remat.candidates import (
     cheaper_and_fits,
@@ -116,6 +117,9 @@ class Planner:
         self.cache = cache  # problems and plans of earlier processes (``remat.cache``)
         self.joint_follows = joint_follows
         self.graphs: list[GraphPlan] = []
+        # the module's eager step, run under fake tensors before the first training call
+        # (``as_given``): it caps a fraction for the first graph planned, at those sizes
+        self.as_given: Phases | None = None
 
     def plan(
         self,
@@ -151,6 +155,7 @@ class Planner:
         start = time.perf_counter()
         self.budget = on_device(self.budget, _device_of(joint))  # "device": bytes from now on
         name = f"graph{len({g.name for g in self.graphs})}"
+        as_given, self.as_given = self.as_given, None  # of the call that compiles this graph
         compile_id = CompileContext.current_compile_id()
         with no_guards(joint):
             dropped = drop_identity_clones(joint)  # e.g. dropout(p=0): eager has no such copy
@@ -173,7 +178,7 @@ class Planner:
             record = self._plan_at(
                 joint, num_fwd_outputs, name, binding, held, leaves, compile_id,
                 held_stored=held_stored, stored_peak=stored_peak, alone=alone, unseen=unseen,
-                tentative=tentative,
+                tentative=tentative, as_given=as_given if alone and not held else None,
             )  # fmt: skip
             solved = time.perf_counter()
             eager = self.compiler == "eager"
@@ -233,11 +238,14 @@ class Planner:
         unseen: bool = False,
         theirs_before: Plan | None = None,
         tentative: bool = False,
+        as_given: Phases | None = None,
     ) -> GraphPlan:
         """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
         measured): ``kept`` (an earlier binding's plan) where it still fits, else the
         solver's. ``held``, ``held_stored``, ``stored_peak``, ``alone``, ``unseen``: as
-        ``plan`` takes them; ``theirs_before``: torch's partition at the earlier binding."""
+        ``plan`` takes them; ``theirs_before``: torch's partition at the earlier binding;
+        ``as_given``: the eager step of the module this graph is the whole forward of, at
+        ``binding``'s sizes (``remat.as_given``)."""
         start = time.perf_counter()
         with reading_at(binding):
             if extracted is None:
@@ -253,6 +261,13 @@ class Planner:
             theirs = torch_partition(joint, num_fwd_outputs, extracted, self.cache, theirs_before)
         reserve = outside_reserve(extracted)
         reference = fraction_reference(baseline, yours, theirs).peak
+        eager = None
+        if as_given is not None and not binding:  # the eager step was run at these sizes
+            as_given = as_measured(extracted, baseline, as_given)
+            eager = graph_eager_peak(problem, baseline, as_given)
+            reference = min(reference, eager)
+        else:
+            as_given = None
         agree = not binding
         stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
         limit = self._graph_limit(problem, stored, held, reserve, agree)
@@ -276,19 +291,24 @@ class Planner:
             else:
                 candidates = dict
             whole = alone and not reserve and only_a_loss(extracted)
-            plan = self._first_plan(
-                problem,
-                limit + reserve,
-                name,
-                held,
-                candidates,
-                agree,
-                whole,
-                reference,
-                reserve if room is None else room,
-                tentative,
-                copied,
-            )
+            try:
+                plan = self._first_plan(
+                    problem,
+                    limit + reserve,
+                    name,
+                    held,
+                    candidates,
+                    agree,
+                    whole,
+                    reference,
+                    reserve if room is None else room,
+                    tentative,
+                    copied,
+                )
+            except InfeasibleBudget as refusal:
+                if eager is None or eager > reference:
+                    raise
+                raise below_eager(refusal, eager + held) from None
             if room is None and self.solver == "auto" and cheaper_and_fits(yours, plan, limit):
                 plan = dataclasses.replace(yours, limit=limit)  # never worse than theirs
             if plan.peak <= limit + reserve:
@@ -309,6 +329,7 @@ class Planner:
             room=room,
             yours=yours,
             theirs=theirs,
+            as_given=as_given,
             figures=calibration.figures_source(),
         )
         self.graphs.append(record)

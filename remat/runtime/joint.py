@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from remat.agree import planning_solver
+from remat.as_given import below_eager, eager_peak, stored_phases
 from remat.cache import PlanCache
 from remat.passes._torch_compat import backward_holds_tangents
 from remat.passes.sizes import Binding, larger
@@ -96,7 +97,11 @@ def plan_step(
         try:
             plan = solve(composed.problem, limit, planning_solver(solver, cache, agree))
         except InfeasibleBudget as refusal:
-            raise _in_step_terms(refusal, runs, reference) from None
+            refused = _in_step_terms(refusal, runs, reference)
+            eager = _as_given(composed, runs)
+            if eager is not None and eager <= reference:
+                refused = below_eager(refused, eager)
+            raise refused from None
         programs = _programs(composed, plan, runs)
         if released:
             # a run's program still hands a held output its backward reads over to
@@ -134,14 +139,35 @@ def _left_room(record) -> bool:
 
 def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:
     """What a fraction of the budget is of: the store-all peak, or where it peaks lower the
-    step as the user wrote it (their own checkpointing, ``candidates.user_plan``) or as
-    torch partitions it (``candidates.torch_partition``), each run's graph so planned."""
+    step as the user wrote it (their own checkpointing, ``candidates.user_plan``; a step of
+    one run, the whole forward of a module, with the module's eager step in its place:
+    ``_as_given``) or as torch partitions it (``candidates.torch_partition``),
+    each run's graph so planned."""
     peaks = [store_all_peak]
+    eager = _as_given(composed, runs)
+    if eager is not None:
+        peaks.append(eager)
     for name in ("yours", "theirs"):
         if any(getattr(r.graph.record, name) for r in runs):
             plans = tuple(getattr(r.graph.record, name) or r.graph.record.store_all for r in runs)
             peaks.append(_as_run(composed, plans, name).peak)
     return min(peaks)
+
+
+def _as_given(composed: Composed, runs: list[Run]) -> int | None:
+    """The step's peak with the module run eagerly (``as_given.eager_peak``), where the
+    step is one run of a graph that is the module's whole forward, its eager step run
+    under fake tensors at its sizes; else None."""
+    record = runs[0].graph.record
+    if len(runs) != 1 or record.as_given is None:
+        return None
+    problem = record.extracted.problem
+    where = composed.index[0]
+    forward = {where[i] for i, node in enumerate(problem.nodes) if node.phase == "fwd"}
+    backward = set(where) - forward
+    stored = store_all(composed.problem).timeline
+    graph = stored_phases(problem, record.store_all)
+    return eager_peak(stored, forward, backward, graph, record.as_given)
 
 
 def _kept_after_growth(
