@@ -371,7 +371,10 @@ SCRIPT_TABLES: dict[str, list] = {
         ("solver", "remat at yours solver", plain),
         ("grad error", "remat at yours grad error", significant),
         ("remat at 1.0: peak / yours", _ratio("remat 1.0 peak", "yours peak"), fixed(3)),
+        ("first step", _ratio("remat 1.0 first peak", "yours peak"), fixed(3)),
         ("step / yours, at 1.0", _ratio("remat 1.0 seconds", "yours s"), fixed(3)),
+        ("grad error, at 1.0", "remat 1.0 grad error", significant),
+        ("fake eager step s", "fake eager step s", fixed(2)),
     ],
     "step_time": [
         ("budget", "budget", plain),
