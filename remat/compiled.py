@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from remat.as_given import Phases
+from remat.as_given import Phases, graph_eager_peak
 from remat.passes._torch_compat import CompileId
 from remat.passes.extract import Extracted
 from remat.passes.sizes import Binding, Sizes
@@ -54,6 +54,14 @@ class GraphPlan:
     as_given: Phases | None = None
     # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
     figures: str = "calibrated"
+
+    @property
+    def eager_peak(self) -> int | None:
+        """The graph's step with the module run eagerly in its place (``as_given``), where
+        its eager step was run; what a fraction is of where that is lowest."""
+        if self.as_given is None:
+            return None
+        return graph_eager_peak(self.extracted.problem, self.store_all, self.as_given)
 
     @property
     def saved_bytes(self) -> int:

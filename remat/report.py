@@ -97,6 +97,7 @@ class PlanReport:
         out = []
         symbolic = any(g.binding for g in self.graphs)
         checkpointed = any(g.yours for g in self.graphs)
+        eager = any(g.as_given for g in self.graphs)
         for g in self.graphs:
             p, problem = g.plan, g.extracted.problem
             fwd_cost = sum(problem.nodes[i].cost for i in g.store_all.schedule.forward)
@@ -117,6 +118,7 @@ class PlanReport:
                     "step (est.)": f"{g.step_seconds:.3g}s{uncalibrated(g)}",
                     "solver": solver_label(p),
                     **({"your checkpointing": _yours(g)} if checkpointed else {}),
+                    **({"eager step": _eager(g)} if eager else {}),
                     "plan time": f"{g.plan_seconds:.2f}s",
                 }
             )
@@ -176,6 +178,12 @@ def _yours(g: GraphPlan) -> str:
     return f"peak {format_bytes(y.peak)}, {verdict}"
 
 
+def _eager(g: GraphPlan) -> str:
+    """The peak of the graph's step with the module run eagerly in its place, where its
+    eager step was run under fake tensors (``remat.as_given``)."""
+    return "-" if g.eager_peak is None else format_bytes(g.eager_peak)
+
+
 def _graph_values(g: GraphPlan) -> list[Value]:
     return graph_values(g.name, g.extracted.problem, g.extracted.fx_nodes, g.plan)
 
@@ -212,6 +220,7 @@ def _graph_dict(g: GraphPlan) -> dict:
         "limit_bytes": g.limit,
         "predicted_peak_bytes": p.peak,
         "store_all_peak_bytes": g.store_all.peak,
+        "eager_step_peak_bytes": g.eager_peak,
         "saved_values": len(p.saved),
         "saved_bytes": g.saved_bytes,
         "recomputed_values": len(again),
