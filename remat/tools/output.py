@@ -205,9 +205,12 @@ def _overhead(g) -> float:
 
 
 def reference(g) -> str:
-    """What a fraction of the budget was of for graph ``g`` (``fraction_reference``),
-    named, with its peak."""
+    """What a fraction of the budget was of for graph ``g`` (``fraction_reference``, or
+    the module's eager step where that is lower: ``GraphPlan.eager_peak``), named, with
+    its peak."""
     plan = fraction_reference(g.store_all, g.yours, g.theirs)
+    if g.eager_peak is not None and g.eager_peak < plan.peak:
+        return f"your module's eager step {format_bytes(g.eager_peak)}"
     name = {TORCH_CANDIDATE: "torch's partition"}.get(plan.solver, plan.solver)
     return f"{name} {format_bytes(plan.peak)}"
 
