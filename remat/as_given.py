@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import logging
 import operator
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,10 +21,11 @@ import torch
 from torch import fx, nn
 
 from remat.costs.graph import allocated_bytes
-from remat.passes._torch_compat import FakeTensorMode, TorchDispatchMode, tree_flatten, tree_map
+from remat.passes._torch_compat import FakeTensorMode, storage_key, tree_flatten, tree_map
 from remat.passes.extract import Extracted
 from remat.solvers import InfeasibleBudget, Plan, Problem, format_bytes, held_bytes, store_all
 from remat.solvers.simulate import Timeline
+from remat.storages import StorageCounter, fresh
 
 log = logging.getLogger("remat")
 
@@ -240,9 +240,9 @@ def _differentiable(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
 
-class _Counter(TorchDispatchMode):
-    """Live bytes of the storages ops make, each counted until it dies (a weak reference
-    on it), with their peak per phase. In the backward, autograd sums two gradients of
+class _Counter(StorageCounter):
+    """Live bytes of the storages ops make, each counted until it dies
+    (``StorageCounter``), with their peak per phase. In the backward, autograd sums two gradients of
     one value in place where it holds the only reference to one of them (its
     ``InputBuffer``): an ``add`` whose operand dies before the next op, of the output's
     size, allocated nothing eagerly. Fake tensors (a tensor subclass) never take that
@@ -250,8 +250,6 @@ class _Counter(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
-        self.level = 0
         self.peak = 0
         self.in_backward = False
         self.figures: list[int] = []
@@ -263,13 +261,10 @@ class _Counter(TorchDispatchMode):
         self._settle()
         before = self.level
         out = func(*args, **(kwargs or {}))
-        read = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        made = 0
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _key(t) not in read:
-                made += self._track(t)
+        made = sum(self._track(t) for t in fresh(args, kwargs, out, _is_tensor))
         if self.in_backward and func is torch.ops.aten.add.Tensor and made:
-            self._add = (read, made, before)
+            operands = {storage_key(t) for t in args if _is_tensor(t)}
+            self._add = (operands, made, before)
         else:
             self.peak = max(self.peak, self.level)
         return out
@@ -284,22 +279,8 @@ class _Counter(TorchDispatchMode):
             self._add = None
         self._freed_since = {}
 
-    def _track(self, t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self.live:
-            return 0
-        nbytes = storage.nbytes()
-        self.live[key] = nbytes
-        self.level += nbytes
-        weakref.finalize(storage, self._freed, key)
-        return nbytes
-
-    def _freed(self, key: int) -> None:
-        nbytes = self.live.pop(key, None)
-        if nbytes is not None:
-            self.level -= nbytes
-            self._freed_since[key] = nbytes
+    def _released(self, key: int, nbytes: int) -> None:
+        self._freed_since[key] = nbytes
 
     def forward_returned(self) -> None:
         self._settle()
@@ -319,5 +300,5 @@ class _Counter(TorchDispatchMode):
         return Phases(*self.figures)
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def _is_tensor(t: object) -> bool:
+    return isinstance(t, torch.Tensor)

@@ -13,24 +13,21 @@ from remat.passes._torch_compat import (
     TorchDispatchMode,
     current_dispatch_mode,
     push_dispatch_mode,
-    storage_key,
-    tree_flatten,
 )
+from remat.storages import StorageCounter, fresh
 
 
-class OutsideMemory(TorchDispatchMode):
+class OutsideMemory(StorageCounter):
     """Bytes of the storages code outside remat's programs allocates during a recorded
     step, live and at their peak. On only between remat's programs (``active``); a storage
-    is counted until it dies (a weak reference on it). ``ignore_compile_internals``: dynamo
+    is counted until it dies (``StorageCounter``). ``ignore_compile_internals``: dynamo
     compiles and runs graphs under it (it does not fall back to eager as it does for other
     dispatch modes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.active = False
-        self.level = 0
         self.peak = 0
-        self.live: dict[int, int] = {}
         # storages resized outside the dispatcher (``watch``): key -> (storage, bytes it
         # had when first watched, were it not allocated in the step)
         self.resized: dict[int, tuple[weakref.ref, int]] = {}
@@ -46,33 +43,17 @@ class OutsideMemory(TorchDispatchMode):
             self._resync()
         out = func(*args, **(kwargs or {}))
         if counting:
-            read = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if _real(t)}
-            for t in tree_flatten(out)[0]:
-                if _real(t) and storage_key(t) not in read:  # a new storage, not a view or in-place
-                    self._track(t)
+            for t in fresh(args, kwargs, out, _real):
+                self._track(t)
+            self.peak = max(self.peak, self.level)
         return out
 
     def adopt(self, t: torch.Tensor) -> int:
         """Count ``t``'s storage from now on, as if code outside had allocated it (a
         gradient a program returned: ``remat.handed``); the bytes newly counted."""
-        return self._track(t)
-
-    def _track(self, t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self.live:
-            return 0
-        nbytes = storage.nbytes()
-        self.live[key] = nbytes
-        self.level += nbytes
+        nbytes = self._track(t)
         self.peak = max(self.peak, self.level)
-        weakref.finalize(storage, self._freed, key)
         return nbytes
-
-    def _freed(self, key: int) -> None:
-        nbytes = self.live.pop(key, None)
-        if nbytes is not None:
-            self.level -= nbytes
 
     def watch(self, tensors: Sequence[torch.Tensor]) -> None:
         """Count ``tensors``' storages by their size from now on: FSDP2 frees and
