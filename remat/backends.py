@@ -93,7 +93,7 @@ class RematBackend:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if self._eager_run or budget.fraction is None or distributed:
             return
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # not a training call: the next one may be
             return
         self._eager_run = True
         start = time.perf_counter()

@@ -78,8 +78,10 @@ def plan_step(
     used = tuple(r.graph.programs[r.program].plan for r in runs)
     first = _as_run(composed, used, "compile-time")
     log.info("remat: first step of (%s) predicted at %d bytes", names, first.peak)
-    store_all_peak = store_all(composed.problem).peak
-    reference = _reference(composed, runs, store_all_peak)
+    stored = store_all(composed.problem)
+    store_all_peak = stored.peak
+    eager = _as_given(composed, runs, stored)
+    reference = _reference(composed, runs, store_all_peak, eager)
     agree = not any(r.graph.sizes for r in runs)  # (``agree.planning_solver``)
     if budget.lowest:
         limit = lowest_budget(composed.problem, planning_solver(solver, cache, agree))
@@ -98,7 +100,6 @@ def plan_step(
             plan = solve(composed.problem, limit, planning_solver(solver, cache, agree))
         except InfeasibleBudget as refusal:
             refused = _in_step_terms(refusal, runs, reference)
-            eager = _as_given(composed, runs)
             if eager is not None and eager <= reference:
                 refused = below_eager(refused, eager)
             raise refused from None
@@ -137,14 +138,12 @@ def _left_room(record) -> bool:
     return bool(record.reserve) or record.room is not None
 
 
-def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:
+def _reference(composed: Composed, runs: list[Run], store_all_peak: int, eager: int | None) -> int:
     """What a fraction of the budget is of: the store-all peak, or where it peaks lower the
-    step as the user wrote it (their own checkpointing, ``candidates.user_plan``; a step of
-    one run, the whole forward of a module, with the module's eager step in its place:
-    ``_as_given``) or as torch partitions it (``candidates.torch_partition``),
-    each run's graph so planned."""
+    step as the user wrote it (their own checkpointing, ``candidates.user_plan``; ``eager``,
+    the step with the module's eager step in its only run's place: ``_as_given``) or as
+    torch partitions it (``candidates.torch_partition``), each run's graph so planned."""
     peaks = [store_all_peak]
-    eager = _as_given(composed, runs)
     if eager is not None:
         peaks.append(eager)
     for name in ("yours", "theirs"):
@@ -154,10 +153,11 @@ def _reference(composed: Composed, runs: list[Run], store_all_peak: int) -> int:
     return min(peaks)
 
 
-def _as_given(composed: Composed, runs: list[Run]) -> int | None:
-    """The step's peak with the module run eagerly (``as_given.eager_peak``), where the
-    step is one run of a graph that is the module's whole forward, its eager step run
-    under fake tensors at its sizes; else None."""
+def _as_given(composed: Composed, runs: list[Run], stored: Plan) -> int | None:
+    """The step's peak with the module run eagerly (``as_given.eager_peak``), from
+    ``stored``, the step storing everything, where the step is one run of a graph that is
+    the module's whole forward, its eager step run under fake tensors at its sizes; else
+    None."""
     record = runs[0].graph.record
     if len(runs) != 1 or record.as_given is None:
         return None
@@ -165,9 +165,8 @@ def _as_given(composed: Composed, runs: list[Run]) -> int | None:
     where = composed.index[0]
     forward = {where[i] for i, node in enumerate(problem.nodes) if node.phase == "fwd"}
     backward = set(where) - forward
-    stored = store_all(composed.problem).timeline
     graph = stored_phases(problem, record.store_all)
-    return eager_peak(stored, forward, backward, graph, record.as_given)
+    return eager_peak(stored.timeline, forward, backward, graph, record.as_given)
 
 
 def _kept_after_growth(
