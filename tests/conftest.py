@@ -13,6 +13,7 @@ folder's ``conftest.py`` says what goes there. A test file's basename must be un
 across the folders (pytest's default import mode, no ``__init__.py``)."""
 
 import pytest
+import torch
 
 from remat.candidates import forget_made
 
@@ -22,3 +23,12 @@ def _no_plan_cache(monkeypatch):
     monkeypatch.setenv("REMAT_CACHE", "0")
     monkeypatch.setenv("REMAT_CALIBRATE", "0")
     forget_made()  # nor on a plan another test made in this process (``made_under``)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches empty before and after the test: a file that compiles the same
+    model in several tests marks itself with it (``pytestmark``)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

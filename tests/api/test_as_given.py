@@ -15,12 +15,7 @@ import remat
 from remat import memory
 from remat.as_given import eager_phases
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class TwoPaths(torch.nn.Module):

@@ -24,11 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = dict(layers=2, d_model=64, heads=4, seq=64, batch=4, vocab=256, dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("precision", ["autocast", "bf16 weights"])

@@ -10,12 +10,7 @@ import torch.nn.functional as F
 import remat
 from remat import memory
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _Logits(torch.nn.Module):

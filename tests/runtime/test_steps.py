@@ -13,12 +13,7 @@ import torch.nn.functional as F
 import remat
 from remat import memory
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 WRAPPED_SCALARS = 8
