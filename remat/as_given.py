@@ -23,8 +23,17 @@ from torch import fx, nn
 from remat.costs.graph import allocated_bytes
 from remat.passes._torch_compat import FakeTensorMode, storage_key, tree_flatten, tree_map
 from remat.passes.extract import Extracted
-from remat.solvers import InfeasibleBudget, Plan, Problem, format_bytes, held_bytes, store_all
+from remat.solvers import (
+    InfeasibleBudget,
+    Plan,
+    Problem,
+    evaluate,
+    format_bytes,
+    held_bytes,
+    store_all,
+)
 from remat.solvers.simulate import Timeline
+from remat.solvers.step import Composed, joint_saved
 from remat.storages import StorageCounter, fresh
 
 log = logging.getLogger("remat")
@@ -113,12 +122,23 @@ def _single_output_kernel(node: fx.Node) -> bool:
     )
 
 
-def graph_eager_peak(problem: Problem, stored: Plan, eager: Phases) -> int:
+def graph_eager_peak(
+    problem: Problem, stored: Plan, eager: Phases, room: Composed | None = None
+) -> int:
     """The peak of the graph's step had the module run eagerly (``eager_peak``; ``eager``
-    as measured: ``as_measured``), from ``stored``, its plan storing everything."""
+    as measured: ``as_measured``), from ``stored``, its plan storing everything; with
+    ``room`` (the graph ``first_step.with_room``), the code after the graph holding its
+    room between the graph's forward and its backward."""
     forward = {i for i, node in enumerate(problem.nodes) if node.phase == "fwd"}
     backward = set(range(len(problem))) - forward
-    return eager_peak(stored.timeline, forward, backward, stored_phases(problem, stored), eager)
+    timeline = stored.timeline
+    if room is not None:
+        (where,) = room.index
+        forward, backward = {where[i] for i in forward}, {where[i] for i in backward}
+        timeline = evaluate(
+            room.problem, joint_saved(room, (stored.saved,)), solver="store-all"
+        ).timeline
+    return eager_peak(timeline, forward, backward, stored_phases(problem, stored), eager)
 
 
 def below_eager(refusal: InfeasibleBudget, eager: int) -> InfeasibleBudget:

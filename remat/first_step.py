@@ -69,6 +69,16 @@ def widest_room(problem: Problem, total: int, reserve: int) -> int:
     return max(reserve, total - held)
 
 
+def first_step_peak(room: Composed | None, plan: Plan) -> int:
+    """``plan``'s peak in the graph's first step: its own peak, or, with ``room`` (the
+    graph ``with_room``), the most the graph and the room for the code after it hold
+    together. Not its own peak plus the room: a plan whose peak is in its forward or its
+    backward (the user's checkpointing) holds little where the room is."""
+    if room is None:
+        return plan.peak
+    return evaluate(room.problem, in_room(room, plan.saved), solver=plan.solver).peak
+
+
 def in_room(composed: Composed, saved: frozenset[int]) -> frozenset[int]:
     """A saved set of the graph's problem as one of ``with_room``'s."""
     return joint_saved(composed, (saved,))

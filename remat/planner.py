@@ -8,10 +8,11 @@ everything run time (``remat.runtime``) needs of the graph, handed over explicit
 
 That plan is the graph's plan for the first step: dynamo compiles lazily, so the
 rest of the step is not known yet. An absolute budget shrinks by what the runs
-before it in the step hold (``held``); a fraction applies to the graph's own store-all
-peak. ``remat.runtime`` then plans the step as one. A graph with symbolic sizes is
-planned at the largest sizes seen (``passes.sizes``) and re-planned, from the same
-trace, when larger ones come (``Planner.replan``).
+before it in the step hold (``held``); a fraction applies to the lowest first-step peak
+of the graph's reference programs, the room kept for the code after it included
+(``first_step.first_step_peak``). ``remat.runtime`` then plans the step as one. A graph
+with symbolic sizes is planned at the largest sizes seen (``passes.sizes``) and
+re-planned, from the same trace, when larger ones come (``Planner.replan``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from remat.as_given import Phases, as_measured, below_eager, graph_eager_peak
 from remat.cache import PlanCache
 from remat.candidates import (
     cheaper_and_fits,
-    fraction_reference,
     made_under,
     offered,
     remember,
@@ -43,6 +43,7 @@ from remat.compiled import CompiledGraph, GraphPlan, Leaves
 from remat.costs import CostModel, calibration, check_cost_model
 from remat.device_budget import on_device
 from remat.first_step import (
+    first_step_peak,
     in_room,
     only_a_loss,
     outside_reserve,
@@ -260,16 +261,20 @@ class Planner:
         if self.solver == "auto":  # a candidate, and what a fraction may be of
             theirs = torch_partition(joint, num_fwd_outputs, extracted, self.cache, theirs_before)
         reserve = outside_reserve(extracted)
-        reference = fraction_reference(baseline, yours, theirs).peak
+        after = with_room(problem, reserve, copied) if reserve or copied else None
+        # each program's first step, with the room for the code after the graph
+        reference = min(
+            first_step_peak(after, p) for p in (baseline, yours, theirs) if p is not None
+        )
         eager = None
         if as_given is not None and not binding:  # the eager step was run at these sizes
             as_given = as_measured(extracted, baseline, as_given)
-            eager = graph_eager_peak(problem, baseline, as_given)
+            eager = graph_eager_peak(problem, baseline, as_given, after)
             reference = min(reference, eager)
         else:
             as_given = None
         agree = not binding
-        stored = max(stored_peak, held_stored + reference + reserve)  # the step's, so far
+        stored = max(stored_peak, held_stored + reference)  # the step's, so far
         limit = self._graph_limit(problem, stored, held, reserve, agree)
         room = widest_room(problem, limit + reserve, reserve) if unseen else None  # same share
         # a kept plan fits the limit, not the room: with one, it is a candidate only
@@ -468,9 +473,9 @@ class Planner:
     ) -> int:
         """This graph's share of the budget in its first step. Bytes: what the ``held``
         bytes of earlier runs and the ``reserve`` for the code after it leave. A fraction:
-        of the step's store-all peak so far (``stored``: with the graph's own and the
-        reserve), less what the earlier runs hold and the reserve. ``"min"``: the graph's
-        own lowest peak."""
+        of the step's reference peak so far (``stored``: with the graph's own first-step
+        peak, its room included), less what the earlier runs hold and the reserve.
+        ``"min"``: the graph's own lowest peak."""
         if self.budget.lowest:
             return lowest_budget(problem, self._cached(self.solver, agree))
         if self.budget.fraction is not None:

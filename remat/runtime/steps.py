@@ -137,10 +137,7 @@ class StepRunner:
         graphs the step in progress ran so far: its store-all peak is at least that."""
         if self.step is None:
             return 0
-        return max(
-            (r.graph.record.store_all.peak + r.graph.record.reserve for r in self.step.runs),
-            default=0,
-        )
+        return max((r.graph.record.store_all_first_step for r in self.step.runs), default=0)
 
     def starting(self) -> bool:
         """Whether no graph of the step in progress has run yet (a graph compiled now is
