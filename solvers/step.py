@@ -17,8 +17,10 @@ saved. ``compose`` lays those sections end to end as one ``Problem``:
   logits, the glue at a graph break), measured per section, as synthetic values that
   no plan can drop: a level live through each section and a peak just before it;
 - ``released``: a run's output the caller dropped before the backwards began (the
-  logits a Hugging Face model returns beside its loss) is freed after the peak of the
-  section it died in, not held to the end like the outputs the caller keeps.
+  logits a Hugging Face model returns beside its loss, or a loss's input once the loss
+  is computed) is freed where it died in the code outside: after that code's peak before
+  it died (``Outside.early``) and before its peak after, not held to the end like the
+  outputs the caller keeps.
 
 Synthetic nodes are named ``outside:*`` and ``accumulate:*``; they cost nothing and are
 never recomputed.
@@ -48,14 +50,22 @@ class Outside:
     """Bytes code outside the runs holds, per section of the step (the forwards in run
     order, then the backwards in ``backward_order``): ``level[s]`` live while section
     ``s`` runs; ``peak[s]`` the most live just before it (``peak`` has one more entry:
-    after the last section)."""
+    after the last section). Where a run's output the caller dropped died in that code
+    (``Step.released``), ``peak[s]`` is the most live after it died and ``early[s]`` the
+    most live before (by entry as ``peak``; empty: when it died is not known, so it is
+    alive through ``peak[s]``)."""
 
     level: tuple[int, ...]
     peak: tuple[int, ...]
+    early: tuple[int, ...] = ()
 
     @classmethod
     def nothing(cls, sections: int) -> Outside:
         return cls((0,) * sections, (0,) * (sections + 1))
+
+    def before(self, s: int) -> int:
+        """The most live in the code before section ``s`` before an output died there."""
+        return self.early[s] if self.early else self.peak[s]
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,11 @@ class Step:
         if self.accumulate and len(self.accumulate) != n:
             raise ValueError("accumulate needs one entry per run")
         if self.outside is not None:
-            if len(self.outside.level) != 2 * n or len(self.outside.peak) != 2 * n + 1:
+            o = self.outside
+            if len(o.level) != 2 * n or len(o.peak) != 2 * n + 1:
                 raise ValueError(f"outside needs {2 * n} levels and {2 * n + 1} peaks")
+            if o.early and len(o.early) != 2 * n + 1:
+                raise ValueError(f"outside needs {2 * n + 1} early peaks, or none")
         for r, i, section in self.released:
             if not 0 <= r < n or i not in self.runs[r].outputs or not r < section <= n:
                 raise ValueError(
@@ -135,12 +148,17 @@ def compose(step: Step, name: str = "step") -> Composed:
         if ending:
             add(Node(f"outside:free{s}", phase, inputs=tuple(ending)), keep=True)
         continuing = sum(b for start, end, b in intervals if start < s < end)
-        transient = outside.peak[s] - continuing
-        if transient > 0:
-            add(Node(f"outside:peak{s}", phase, workspace=transient), keep=True)
         dropped = [index[r][i] for (r, i), section in released.items() if section == s]
-        if dropped:  # alive through the section's peak: when it died in it is not known
+        peak = outside.peak[s]
+        if dropped:  # alive through the peak before they died, not the one after
+            if outside.before(s) > continuing:
+                early = outside.before(s) - continuing
+                add(Node(f"outside:early{s}", phase, workspace=early), keep=True)
             add(Node(f"outside:drop{s}", phase, inputs=tuple(dropped)), keep=True)
+        else:  # held through it all (an output not released is held to the end)
+            peak = max(peak, outside.before(s))
+        if peak > continuing:
+            add(Node(f"outside:peak{s}", phase, workspace=peak - continuing), keep=True)
         for k, (start, end, b) in enumerate(intervals):
             if start == s:
                 node = Node(f"outside:held{s}.{k}", phase, bytes=b, recomputable=False)

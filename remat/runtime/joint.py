@@ -20,7 +20,6 @@ from remat.solvers.heuristics import repaired
 from remat.solvers.solve import Solver
 from remat.solvers.step import (
     Composed,
-    Outside,
     Step,
     compose,
     joint_order,
@@ -199,15 +198,13 @@ def _kept_after_growth(
 def _composed(step: Recording, release: bool) -> tuple[Composed, tuple]:
     """The recorded runs laid out as one problem, with the outputs released early."""
     runs = step.runs
-    levels, peaks, freed = step.handed.planned(step.levels, step.peaks)
+    outside, released, freed = step.outside_memory(release)
     problems = tuple(
         keeping(r.graph.problem, freed.get(k, frozenset()) | _held_tangents(r))
         for k, r in enumerate(runs)
     )
     order = tuple(step.backward_order)
     accumulate = _accumulate(runs, order)
-    released = tuple((r, i, s) for (r, i), s in sorted(step.released.items()) if release)
-    outside = Outside(levels, peaks)
     shape = Step(problems, order, tuple(step.links), accumulate, outside, released)
     names = ", ".join(r.graph.name for r in runs)
     return compose(shape, name=f"step ({names})"), released

@@ -99,6 +99,12 @@ class OutsideMemory(StorageCounter):
         level, peak, self.peak = self.level, self.peak, self.level
         return level, max(peak, level)
 
+    def split_peak(self) -> int:
+        """The peak since the last program started or the last split, counted anew from
+        the level now: what was live at most before a moment and what after it."""
+        peak, self.peak = max(self.peak, self.level), self.level
+        return peak
+
     def resume(self) -> None:
         self.peak = self.level
         self.active = True

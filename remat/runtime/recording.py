@@ -13,7 +13,7 @@ from remat.passes.sizes import Binding
 from remat.runtime.handed import Handed
 from remat.runtime.outside import OutsideMemory
 from remat.runtime.programs import Graph
-from remat.solvers.step import Link
+from remat.solvers.step import Link, Outside
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Recording:
     # (run, output node) -> the section before which the caller dropped that output, where
     # it did so before the first backward (``solvers.step.Step.released``)
     released: dict[tuple[int, int], int] = field(default_factory=dict)
+    # section -> the most the code outside held before the last output died in the code
+    # before that section; ``peaks`` holds the most after it (``solvers.step.Outside``)
+    early: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.outside is not None:
@@ -98,5 +101,27 @@ class Recording:
     def _dropped_output(self, position: int, nodes: tuple[int, ...]) -> None:
         if self.backward_order:
             return  # held into the backwards: as the problem holds it
+        section = len(self.levels)  # the section running now
         for node in nodes:
-            self.released[position, node] = len(self.levels)  # the section running now
+            self.released[position, node] = section
+        if self.outside is not None:  # what the code outside held before it died, apart
+            self.early[section] = max(self.early.get(section, 0), self.outside.split_peak())
+
+    def outside_memory(
+        self, release: bool
+    ) -> tuple[Outside, tuple[tuple[int, int, int], ...], dict[int, frozenset[int]]]:
+        """The code outside as the step's problem takes it, less the gradients the problems
+        hold (``Handed.planned``, whose gradients freed early per run come last), and the
+        outputs the caller dropped (``Step.released``), where ``release``: else every
+        output is held to the step's end."""
+        levels, peaks, freed = self.handed.planned(self.levels, self.peaks)
+        # ``early`` is of the forwards' sections, before any gradient was handed over
+        outside = Outside(levels, peaks, self._early())
+        if not release:
+            return outside, (), freed
+        return outside, tuple((r, i, s) for (r, i), s in sorted(self.released.items())), freed
+
+    def _early(self) -> tuple[int, ...]:
+        if not self.early:
+            return ()
+        return tuple(self.early.get(s, 0) for s in range(len(self.peaks)))

@@ -82,6 +82,25 @@ def test_an_output_the_caller_dropped_is_freed_after_its_sections_peak():
     ]
 
 
+def test_an_output_counts_through_the_peak_before_it_died_not_the_one_after():
+    """A loss's forward (2,000 B beside the logits y) then its backward (5,000 B, y
+    already dead, as ``F.cross_entropy(model(x), y)`` frees the logits): y counts at the
+    first peak only. Without ``early`` it counted through the second; held (not
+    released), it counts through both."""
+
+    def peak(early: tuple[int, ...], released: tuple = ((0, 2, 1),)) -> int:
+        outside = Outside(level=(0, 0), peak=(0, 5000, 0), early=early)
+        step = Step((_layer(),), (0,), outside=outside, released=released)
+        return store_all(compose(step).problem).peak
+
+    assert peak((0, 2000, 0)) == 200 + 5000  # x, h saved; y died before the 5,000 B
+    assert peak(()) == 300 + 5000  # when it died unknown: through the peak
+    assert peak((0, 8000, 0)) == 300 + 8000  # the peak before it died is the higher
+    assert peak((0, 2000, 0), released=()) == 300 + 5000  # held to the end
+    with pytest.raises(ValueError, match="early"):
+        Step((_layer(),), (0,), outside=Outside((0, 0), (0, 0, 0), early=(0,)))
+
+
 def _composed(outside: Outside) -> Problem:
     return compose(Step((_layer(),), (0,), outside=outside)).problem
 
