@@ -4,6 +4,7 @@ remat's programs held (``OutsideMemory``, ``Handed``)."""
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,11 @@ class Recording:
         if self.outside is not None:
             self.handed.fed([t for t, _ in tangents])
             self.outside.forget([t for t, _ in tangents])
+            if not self.backward_order:
+                # an output only garbage holds dies now, before the backwards, as it does
+                # in later steps: dynamo's compile of a frame holds the objects it traced
+                # (a model's output object, its logits) in reference cycles
+                gc.collect()
         self.section(resized)
         self.backward_order.append(position)
         for t, node in tangents:

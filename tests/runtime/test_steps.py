@@ -298,7 +298,11 @@ def test_a_recompile_for_new_shapes_is_a_step_of_its_own():
 def test_hugging_face_gpt2_with_labels_keeps_the_budget_across_its_graph_break(fraction):
     """``GPT2LMHeadModel(input_ids, labels=...)`` as shipped: dynamo breaks the graph
     before the loss. The step keeps a budget given as a fraction of eager's measured peak
-    from its second run on, with eager's gradients, or names a minimum that then fits."""
+    from its second run on, with eager's gradients, or names a minimum that then fits. The
+    logits, which dynamo's compile of the frame after the break holds in garbage through
+    the first step, are not planned as held to the step's end (they were until the
+    recorded step collected that garbage, and the plan predicted a logits buffer more than
+    it measured)."""
     pytest.importorskip("transformers")
     from remat.tools import examples
 
@@ -317,6 +321,10 @@ def test_hugging_face_gpt2_with_labels_keeps_the_budget_across_its_graph_break(f
     report = optimized.remat.report()
     assert len(report.graphs) == 2 and report.steps[0].graphs == ("graph0", "graph1")
     assert max(peaks) <= budget
+    assert max(peaks) <= report.predicted_peak
+    graph0, composed = report.graphs[0].extracted.problem, report.steps[0].composed
+    logits = max(graph0.outputs, key=lambda i: graph0.nodes[i].bytes)
+    assert composed.index[0][logits] not in composed.problem.outputs  # not held to the end
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
     optimized(ids).backward()
