@@ -116,10 +116,10 @@ class Recording:
     def outside_memory(
         self, release: bool
     ) -> tuple[Outside, tuple[tuple[int, int, int], ...], dict[int, frozenset[int]]]:
-        """The code outside as the step's problem takes it, less the gradients the problems
-        hold (``Handed.planned``, whose gradients freed early per run come last), and the
-        outputs the caller dropped (``Step.released``), where ``release``: else every
-        output is held to the step's end."""
+        """The code outside as the step's problem takes it (less the gradients the problems
+        hold: ``Handed.planned``), the outputs the caller dropped (``Step.released``;
+        without ``release`` none, every output held to the step's end), and per run the
+        gradient nodes code outside freed early."""
         levels, peaks, freed = self.handed.planned(self.levels, self.peaks)
         # ``early`` is of the forwards' sections, before any gradient was handed over
         outside = Outside(levels, peaks, self._early())
