@@ -310,6 +310,18 @@ def dynamo_compiled_code(code) -> bool:
     return code in orig_code_map
 
 
+def frames_compiled() -> int | None:
+    """How many frames dynamo has set out to compile in this process (None where this
+    torch keeps no such count). It only grows, unless torch's own test harness clears
+    dynamo's counters."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return counters["frames"]["total"]
+    except (ImportError, KeyError, TypeError):
+        return None
+
+
 def backward_holds_tangents() -> bool:
     """Whether a compiled graph's backward keeps every tangent it is fed until it returns.
 

@@ -12,6 +12,8 @@ inside training pipelines, on several ranks, the scripts in ``examples/``), ``to
 folder's ``conftest.py`` says what goes there. A test file's basename must be unique
 across the folders (pytest's default import mode, no ``__init__.py``)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -25,10 +27,24 @@ def _no_plan_cache(monkeypatch):
     forget_made()  # nor on a plan another test made in this process (``made_under``)
 
 
+def _set_aside_heap() -> None:
+    """What the process holds now is set aside from later garbage collections: a recorded
+    step's full collection (``Recording.backward_starts``) then costs what it does in a
+    small program, not more with every module imported and model compiled before."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _imports_set_aside():
+    _set_aside_heap()
+
+
 @pytest.fixture
 def fresh_dynamo():
     """dynamo's caches empty before and after the test: a file that compiles the same
     model in several tests marks itself with it (``pytestmark``)."""
     torch._dynamo.reset()
+    _set_aside_heap()
     yield
     torch._dynamo.reset()

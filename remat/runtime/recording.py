@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from remat.passes._torch_compat import storage_of
@@ -75,16 +75,20 @@ class Recording:
         if self.outside is not None:
             self.outside.resume()
 
-    def backward_starts(self, position: int, tangents, resized: Sequence) -> None:
+    def backward_starts(
+        self, position: int, tangents, resized: Sequence, compiled: Callable[[], bool]
+    ) -> None:
         """Run ``position``'s backward starts, fed ``tangents`` ((tensor, problem node)
-        pairs): its section, and a ``Link`` from the run whose gradient a tangent is."""
+        pairs): its section, and a ``Link`` from the run whose gradient a tangent is. At
+        the first backward of a recorded step where ``compiled()`` says dynamo compiled
+        since the last collection, garbage is collected first: dynamo's compile of a frame
+        holds the objects it traced (a model's output object, its logits) in reference
+        cycles, and an output only that garbage holds dies now, before the backwards, as
+        it does in later steps."""
         if self.outside is not None:
             self.handed.fed([t for t, _ in tangents])
             self.outside.forget([t for t, _ in tangents])
-            if not self.backward_order:
-                # an output only garbage holds dies now, before the backwards, as it does
-                # in later steps: dynamo's compile of a frame holds the objects it traced
-                # (a model's output object, its logits) in reference cycles
+            if not self.backward_order and compiled():
                 gc.collect()
         self.section(resized)
         self.backward_order.append(position)

@@ -42,6 +42,7 @@ from remat.passes._torch_compat import (
     after_backward,
     current_dispatch_mode,
     dispatch_modes_off,
+    frames_compiled,
     pop_dispatch_mode,
     storage_of,
     tree_flatten,
@@ -91,6 +92,10 @@ class StepRunner:
         # per run, what its forward hands its backward past AOTAutograd (``_in_compiled_layout``)
         self._aside: dict[int, tuple[list, list]] = {}
         self._warned: set[str] = set()
+        # whether anything compiled since this runner last collected garbage: remat's
+        # graphs, and dynamo's count of frames it compiled then (``compiled_since_collected``)
+        self._added = False
+        self._collected_at: int | None = None
 
     def serve(
         self, *, resized: Callable[[], list[torch.Tensor]] | None = None, from_call: bool = True
@@ -108,7 +113,17 @@ class StepRunner:
         """Take a graph the planner compiled: its runs go through ``forward``/``backward``."""
         graph = Graph.from_compiled(compiled)
         self.graphs[graph.name] = graph
+        self._added = True
         return graph
+
+    def compiled_since_collected(self) -> bool:
+        """Whether dynamo compiled a frame since this runner last asked (a graph of its
+        own, or any frame by dynamo's count): only then can its garbage hold what a
+        recorded step ran (``Recording.backward_starts``)."""
+        frames = frames_compiled()
+        compiled = self._added or frames is None or frames != self._collected_at
+        self._added, self._collected_at = False, frames
+        return compiled
 
     def held_now(self, stored: bool = False) -> int:
         """What the step in progress holds while a newly compiled graph runs: its runs
@@ -195,7 +210,10 @@ class StepRunner:
             step, position = found
             # no reference to a tangent may outlive this: the program frees each after use
             step.backward_starts(
-                position, [(args[a], n) for a, n in program.tangents], self.resized()
+                position,
+                [(args[a], n) for a, n in program.tangents],
+                self.resized(),
+                self.compiled_since_collected,
             )
             grads = program.backward(args)
             for g, node in zip(grads, program.grads, strict=False):

@@ -11,6 +11,7 @@ each run; ``--hypothesis-seed=N`` repeats one).
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import sys
@@ -100,6 +101,11 @@ class _Overflowed(Exception):
 def _check(spec: fuzz.ModelSpec, budget) -> None:
     """Train under ``budget`` beside eager; raise ``InfeasibleBudget`` if remat refuses it."""
     torch.compiler.reset()  # no dynamo cache or recompile count carries over between models
+    # what earlier models left (torch keeps a few hundred objects per compiled model) is
+    # set aside from later collections: a recorded step's full collection (``Recording``)
+    # then costs what it does in a fresh process, not more with every model drawn
+    gc.collect()
+    gc.freeze()
     model = spec.build()
     reference = copy.deepcopy(model)
     ours = _Trainer(spec, model, remat.optimize(model, budget=budget))
