@@ -5,13 +5,11 @@ into (``Planner.plan`` returns one; ``remat.runtime`` runs it)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 from torch import fx
 
 from remat.as_given import Phases, graph_eager_peak
-from remat.first_step import first_step_peak, with_room
 from remat.passes._torch_compat import CompileId
 from remat.passes.extract import Extracted
 from remat.passes.sizes import Binding, Sizes
@@ -56,6 +54,10 @@ class GraphPlan:
     as_given: Phases | None = None
     # whose figures its times are: "calibrated" on this machine, or the "datasheet"'s
     figures: str = "calibrated"
+    # the store-all plan's peak in the graph's first step, with the room for the code
+    # after it (``first_step.first_step_peak``): what later graphs of that step take as
+    # the store-all step's so far (``StepRunner.stored_peak``)
+    store_all_first_step: int = 0
 
     @property
     def eager_peak(self) -> int | None:
@@ -64,13 +66,6 @@ class GraphPlan:
         if self.as_given is None:
             return None
         return graph_eager_peak(self.extracted.problem, self.store_all, self.as_given)
-
-    @functools.cached_property
-    def store_all_first_step(self) -> int:
-        """The store-all plan's peak in the graph's first step, with the room kept for the
-        code after it (``first_step.first_step_peak``)."""
-        room = with_room(self.extracted.problem, self.reserve) if self.reserve else None
-        return first_step_peak(room, self.store_all)
 
     @property
     def saved_bytes(self) -> int:

@@ -263,8 +263,9 @@ class Planner:
         reserve = outside_reserve(extracted)
         after = with_room(problem, reserve, copied) if reserve or copied else None
         # each program's first step, with the room for the code after the graph
+        stored_first = first_step_peak(after, baseline)
         reference = min(
-            first_step_peak(after, p) for p in (baseline, yours, theirs) if p is not None
+            [stored_first] + [first_step_peak(after, p) for p in (yours, theirs) if p is not None]
         )
         eager = None
         if as_given is not None and not binding:  # the eager step was run at these sizes
@@ -336,6 +337,7 @@ class Planner:
             theirs=theirs,
             as_given=as_given,
             figures=calibration.figures_source(),
+            store_all_first_step=stored_first,
         )
         self.graphs.append(record)
         return record

@@ -205,3 +205,39 @@ def test_budget_one_over_checkpointed_layers_is_the_users_step_from_the_first(tm
     assert abs(report.predicted_peak - second) <= 0.02 * second, (report.predicted_peak, second)
     for p, grad in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, grad)
+
+
+class _SummedInput(torch.nn.Module):
+    """Returns logits of ``z`` and the sum of ``x``: ``x``'s gradient is the loss's
+    gradient expanded, not laid out as ``x``, so autograd copies it into ``x.grad`` once
+    the backward returned (``passes.layouts.copied_into_grad``), the step's peak here."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _Logits(width=16, classes=8, depth=1)
+
+    def forward(self, x, z):
+        return self.body(z), x.sum()
+
+
+def test_the_store_all_first_step_later_graphs_take_is_the_one_the_fraction_was_of():
+    """The store-all program's first-step peak is computed once, with the room for the
+    code after the graph and the gradient autograd copies into ``.grad``: later graphs of
+    the step (``StepRunner.stored_peak``) took it without that copy."""
+    from remat.first_step import first_step_peak, with_room
+    from remat.passes.layouts import copied_into_grad
+
+    x, z = torch.randn(4096, 64, requires_grad=True), torch.randn(64, 64)
+    y = torch.randint(0, 8, (64,))
+    optimized = remat.optimize(_SummedInput(), budget=1.0, solver="cpsat")
+    logits, penalty = optimized(x, z)
+    (F.cross_entropy(logits, y) + penalty).backward()
+    (graph,) = optimized.remat.steps.graphs.values()
+    record = graph.record
+    problem = record.extracted.problem
+    copied = copied_into_grad(graph.joint, 2, [leaf is not None for leaf in record.leaves])
+    assert copied > 0 and record.reserve > 0
+    room = with_room(problem, record.reserve, copied)
+    assert record.store_all_first_step == first_step_peak(room, record.store_all)
+    without = first_step_peak(with_room(problem, record.reserve), record.store_all)
+    assert record.store_all_first_step > without
