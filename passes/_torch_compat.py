@@ -1,4 +1,5 @@
-"""Every private PyTorch API remat touches, in one file, so a torch upgrade edits one place.
+"""Every private PyTorch API remat touches. One file because a torch upgrade then edits
+one place.
 
 Private means a name or module path with a leading underscore (``torch._dynamo``,
 ``torch.utils._pytree``, ``torch._C``) or an underscored attribute of a public object.
@@ -43,7 +44,11 @@ with needed():
     from torch._guards import CompileContext, CompileId
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+    from torch.fx.experimental.symbolic_shapes import (
+        ConstraintViolationError,
+        statically_known_true,
+        sym_eq,
+    )
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
 
@@ -202,25 +207,104 @@ def aot_autograd(**kwargs):
     return make(**kwargs)
 
 
-def inductor(gm: fx.GraphModule, example_inputs, *, partitioner=None):
-    """Compile ``gm`` with inductor, partitioned by ``partitioner`` (a
-    ``CustomPartitionerFn``) or, when None, by torch's own min-cut. With a partitioner,
-    inductor's C++ backend fuses no two kernels of which neither reads the other
-    (``cpp.max_horizontal_fusion_size``): such a fusion computes values the partition
-    schedules apart at once, holding its inputs and outputs together (docs/benchmarks.md,
-    "The first step with the loss outside"). A config patch, not a context: inductor
-    compiles the backward when it first runs, with the patches it was given."""
+def inductor(gm: fx.GraphModule, example_inputs):
+    """Compile ``gm`` with inductor, partitioned by torch's own min-cut."""
     with needed():
-        from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
-    if partitioner is None:
-        return compile_fx(gm, example_inputs)
-    with config.patch(custom_partitioner_fn=partitioner):
-        return compile_fx(gm, example_inputs, config_patches=NO_HORIZONTAL_FUSION)
+    return compile_fx(gm, example_inputs)
 
 
+# inductor's C++ backend fuses no two kernels of which neither reads the other in a program
+# remat wrote: such a fusion computes values the plan schedules apart at once, holding its
+# inputs and outputs together (docs/benchmarks.md, "The first step with the loss outside")
 NO_HORIZONTAL_FUSION = {"cpp.max_horizontal_fusion_size": 1}
+# nor reorders its kernels for memory: the program's order is remat's schedule, and a
+# dropout's mask is drawn right after its generator state is read (``passes.rng``); nor
+# lays out a convolution's output otherwise than traced: the program that reads it was
+# compiled for the traced layout
+AS_SCHEDULED = {
+    **NO_HORIZONTAL_FUSION,
+    "reorder_for_peak_memory": False,
+    "layout_optimization": False,
+}
+
+
+def inductor_decompositions() -> dict:
+    """The decompositions inductor traces a graph with: a program inductor compiles must
+    hold only ops it lowers (``inductor_program``)."""
+    with needed():
+        from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_program(gm: fx.GraphModule, *, backward: bool = False, inference: bool = False):
+    """``gm`` (a forward or backward program remat wrote) compiled by inductor, through
+    its decompositions, fusing kernels in the order ``gm`` runs them (``AS_SCHEDULED``):
+    a callable taking one list, which it clears. Compiled apart from any compile in
+    progress (AOTAutograd's record of output strides is its forward's alone). None where
+    its sizes are symbolic, no dynamo compile is in progress, and inductor's compile added
+    guards on them: nothing would check those at later sizes (dynamo installs a frame's
+    guards when its compile ends)."""
+    with needed():
+        from torch._guards import tracing
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner
+
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    mode = next(v.fake_mode for v in inputs if isinstance(v, FakeTensor))
+    shape_env = mode.shape_env
+    guards = len(shape_env.guards) if shape_env is not None else 0
+    decomposed = _decomposed(gm, inputs, mode)
+    if decomposed is None:
+        return None
+    with tracing(None), config.patch(AS_SCHEDULED):
+        compiled = compile_fx_inner(
+            decomposed, inputs, is_backward=backward, is_inference=inference
+        )
+    unchecked = shape_env is not None and len(shape_env.guards) > guards
+    if unchecked and CompileContext.current_compile_id() is None:
+        del shape_env.guards[guards:]
+        return None
+    return compiled
+
+
+def _decomposed(gm: fx.GraphModule, inputs: list, mode: FakeTensorMode) -> fx.GraphModule | None:
+    """``gm`` traced again through inductor's decompositions, each output laid out as
+    ``gm``'s (a program that reads it was traced with that layout): a decomposition may
+    lay out its result otherwise than the op it replaces, and inductor keeps an output's
+    layout as its graph's says. None where such an output's sizes are symbolic."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with mode:
+        new = make_fx(fx.Interpreter(gm).run, decomposition_table=inductor_decompositions())(
+            *inputs
+        )
+    output = new.graph.output_node()
+    outs = list(output.args[0])
+    for k, (old, out) in enumerate(zip(gm.graph.output_node().args[0], outs, strict=True)):
+        want = old.meta.get("val") if isinstance(old, fx.Node) else None
+        got = out.meta.get("val") if isinstance(out, fx.Node) else None
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            continue
+        if statically_known_true(sym_eq(want.stride(), got.stride())):
+            continue
+        layout = (*want.shape, *want.stride())
+        if not all(isinstance(v, int) for v in layout):
+            return None
+        with new.graph.inserting_before(output):
+            empty = new.graph.call_function(
+                torch.ops.aten.empty_strided.default,
+                (list(want.shape), list(want.stride())),
+                {"dtype": want.dtype, "device": want.device},
+            )
+            outs[k] = new.graph.call_function(torch.ops.aten.copy.default, (empty, out))
+        empty.meta["val"] = outs[k].meta["val"] = want
+    output.args = (tuple(outs),)
+    new.recompile()
+    return new
+
 
 # dynamo traces a checkpointed region with a Python side effect (a context variable set and
 # reset: transformers' hub kernels inside each layer) rather than breaking the graph, the

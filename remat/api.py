@@ -129,8 +129,8 @@ def optimize(
             margin: ``remat.device_budget``); read once by ``Budget.parse``.
         solver: a name from ``remat.solvers.SOLVERS`` (default ``"auto"``) or a callable
             ``(problem, limit) -> Plan`` (``remat.solvers.Solver``).
-        compiler: what runs the planned programs: ``"eager"`` (default) or
-            ``"inductor"``.
+        compiler: what runs the planned programs: ``"eager"`` (default), op by op, or
+            ``"inductor"``, which compiles each (fusing kernels inside remat's schedule).
         cost_model: ``"roofline"`` (default) or ``"profile"`` (kernels timed).
         cache: the plan cache on disk (``remat.cache``): None for the default (on unless
             ``REMAT_CACHE=0``), False off, or a folder.

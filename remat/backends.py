@@ -3,7 +3,6 @@ under the eager compiler, run step by step (``remat.runtime``)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -17,16 +16,15 @@ from remat.as_given import eager_phases
 from remat.cache import PlanCache
 from remat.compiled import CompiledGraph, GraphPlan, Leaves
 from remat.costs import COMPILERS  # what runs remat's fw/bw programs; the first is the default
-from remat.errors import InfeasibleBudget, InvalidOption
+from remat.errors import InvalidOption
 from remat.passes._torch_compat import (
     CompileContext,
     aot_autograd,
     boxed,
-    compile_caches_off,
     custom_partitioner_base,
     declared_maxima,
     dynamo_compiled_code,
-    inductor,
+    inductor_program,
 )
 from remat.passes.sizes import Sizes, describe, guard_at_most
 from remat.planner import Planner
@@ -42,13 +40,12 @@ log = logging.getLogger("remat")
 
 class RematBackend:
     """A ``torch.compile`` backend that plans each graph with a ``Planner`` as it is
-    compiled and, with ``compiler="eager"``, each step as one (``remat.runtime``).
+    compiled and each step as one (``remat.runtime``).
 
     ``compiler="eager"`` runs the rewritten fx programs as plain Python (the
-    schedule is exactly the plan's); ``"inductor"`` hands remat's partition to
-    inductor, which fuses kernels inside it (peak then tracks, not equals, the
-    prediction), and keeps each graph's compile-time plan. ``budget`` is parsed
-    already (``Budget.parse``, at the API).
+    schedule is exactly the plan's); ``"inductor"`` compiles each program with inductor,
+    which fuses kernels inside it. ``budget`` is parsed already (``Budget.parse``, at
+    the API).
     """
 
     def __init__(
@@ -65,14 +62,13 @@ class RematBackend:
         self.compiler = compiler
         self.compiles = 0  # graphs dynamo handed over: none means it ran everything eagerly
         self.cache = cache  # ``remat.cache``; None when off
-        # under inductor remat sees no runs, and a graph's plan is its last word
         self.planner = Planner(
             budget,
             solver=solver,
             cost_model=cost_model,
             compiler=compiler,
             cache=cache,
-            joint_follows=compiler == "eager",
+            joint_follows=True,
         )
         self.steps = StepRunner(budget, solver, cache, replan=self.planner.replan)
         # (dynamo frame, input name) -> the largest sizes its traces had (``_largest_seen``)
@@ -121,12 +117,7 @@ class RematBackend:
         declared = [declared_maxima(value) for value in example_inputs]
         seen = self._largest_seen(gm, example_inputs, compile_id, declared)
         with self.steps.paused():  # planning mid-step allocates; the user's code did not
-            if self.compiler == "inductor":
-                # Caches would skip the partitioner on a hit, leaving no plan to report.
-                with compile_caches_off():
-                    partition = InductorPartitioner(self.planner, leaves, seen, declared)
-                    return inductor(gm, example_inputs, partitioner=partition)
-            return self._compile_eager(gm, example_inputs, leaves, seen)
+            return self._compile(gm, example_inputs, leaves, seen)
 
     def _largest_seen(
         self, gm, example_inputs, compile_id, declared: Sequence[dict[int, int]]
@@ -153,11 +144,14 @@ class RematBackend:
             seen.append(self._largest.get(key))
         return seen
 
-    def _compile_eager(self, gm, example_inputs, leaves: Leaves, seen: list):
+    def _compile(self, gm, example_inputs, leaves: Leaves, seen: list):
         """AOTAutograd with remat's partition: the graph it plans goes to the step runner,
-        whose forward and backward run it. The runner takes the graph when its forward is
-        compiled, not at the partition: AOTAutograd may edit the programs in between
-        (effect tokens, saved-tensors hooks), and they must be read as they will run."""
+        whose forward and backward run its programs (compiled by inductor under
+        ``compiler="inductor"``, traced with inductor's decompositions then). The runner
+        takes the graph when its forward is compiled, not at the partition: AOTAutograd
+        may edit the programs in between (effect tokens, saved-tensors hooks), and they
+        must be read as they will run."""
+        inductor = self.compiler == "inductor"
         planned: list[CompiledGraph] = []  # the graph of this compile, if it needs gradients
         alone = self.steps.starting() and _ends_its_frame(gm)
         unseen = _resumes_eagerly()
@@ -182,14 +176,16 @@ class RematBackend:
 
         def compile_forward(program: torch.fx.GraphModule, _inputs):
             if not planned:  # an inference graph (no gradient needed): nothing planned
-                return boxed(program)
+                return inductor_program(program, inference=True) if inductor else boxed(program)
             return self.steps.forward(self.steps.add(planned[-1]))
 
         def compile_backward(_program: torch.fx.GraphModule, _inputs):
             return self.steps.backward(self.steps.graphs[planned[-1].record.name])
 
         return aot_autograd(
-            fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=partition
+            fw_compiler=compile_forward,
+            bw_compiler=compile_backward,
+            partition_fn=partition,
         )(gm, example_inputs)
 
     def report(self) -> PlanReport:
@@ -252,68 +248,27 @@ def _leaves_needing_grad(inputs: Sequence) -> Leaves:
     )
 
 
-def with_headroom(
-    seen: Sequence[tuple | None], declared: Sequence[dict[int, int]]
-) -> list[tuple | None]:
-    """``seen`` (per input, its largest sizes) with every size no maximum was declared
-    for rounded up to a power of two."""
-    out = []
-    for k, sizes in enumerate(seen):
-        maxima = declared[k] if k < len(declared) else {}
-        out.append(None if sizes is None else tuple(
-            v if v is None or v <= 1 or d in maxima else 1 << (v - 1).bit_length()
-            for d, v in enumerate(sizes)
-        ))  # fmt: skip
-    return out
-
-
 class InductorPartitioner(custom_partitioner_base()):
     """Adapter for ``torch._inductor.config.custom_partitioner_fn``: plans each joint graph
-    with what earlier frames of the step hold (remat sees no runs under inductor)."""
+    with what earlier frames of the step hold (remat sees no runs as inductor's
+    partitioner). A graph with symbolic sizes serves every size up to those it was planned
+    at; dynamo traces and plans it again past them."""
 
-    def __init__(
-        self,
-        planner: Planner,
-        leaves: Leaves = (),
-        seen: Sequence[tuple | None] = (),
-        declared: Sequence[dict[int, int]] = (),
-    ):
+    def __init__(self, planner: Planner):
         self.planner = planner
-        self.leaves, self.seen, self.declared = leaves, seen, declared
 
     def __call__(self, gm, joint_inputs, *, num_fwd_outputs: int, **_ignored):
-        growing = Sizes.of(gm).unbounded(self.declared)
-        compiled = self._plan(gm, num_fwd_outputs, growing)
-        if growing:  # remat sees no runs here: a larger size must come back as a compile
+        held = self.planner.held_by_earlier_frames()
+        compiled = self.planner.plan(gm, num_fwd_outputs, held=held)
+        if growing := Sizes.of(gm).unbounded(()):
             guard_at_most(gm, compiled.binding, growing)
             log.info(
                 "remat %s: planned at %s, serving every size up to it; a larger one "
-                "traces and plans again (a declared maximum, optimize(..., max_sizes=...), "
-                "is planned for once)",
+                "traces and plans again",
                 compiled.record.name,
                 describe(compiled.binding),
             )
         return compiled.forward, compiled.backward
-
-    def _plan(self, gm, num_fwd_outputs: int, growing: Sequence) -> CompiledGraph:
-        """``gm`` planned at the largest sizes seen, those that may grow rounded up to a
-        power of two (``with_headroom``) where the budget allows it there: each doubling
-        costs inductor a compile, where each new largest size would."""
-        held = self.planner.held_by_earlier_frames()
-        plan = functools.partial(
-            self.planner.plan, gm, num_fwd_outputs, leaves=self.leaves, held=held
-        )
-        if growing:
-            try:
-                return plan(seen=with_headroom(self.seen, self.declared), tentative=True)
-            except InfeasibleBudget as refusal:
-                log.info(
-                    "remat %s: at a power of two above the sizes seen its lowest peak found, "
-                    "%s, is above the budget: planned at the sizes seen",
-                    refusal.graph,
-                    format_bytes(refusal.minimum),
-                )
-        return plan(seen=self.seen)
 
     def __deepcopy__(self, memo):
         # inductor snapshots its config by deep copy; the planner and its plans are

@@ -91,3 +91,6 @@ class CompiledGraph:
     # plan was made at: it serves every size no larger (``passes.sizes.covers``)
     sizes: Sizes = Sizes()
     binding: Binding = dataclasses.field(default_factory=dict)
+    # what compiles its programs: "eager" runs them op by op, "inductor" compiles each
+    # (``passes._torch_compat.inductor_program``)
+    compiler: str = "eager"

@@ -108,7 +108,7 @@ def with_the_rest(
 ) -> InfeasibleBudget:
     """A graph's refusal in the budget's terms: its limit and minimum with ``held``, what
     the rest of the step is counted to hold beside it (a graph's plan is its last word
-    where no step is planned as one: under inductor)."""
+    where no step is planned as one: ``remat.partitioner``)."""
     r = refusal
     if not held:
         return InfeasibleBudget(

@@ -89,12 +89,12 @@ log = logging.getLogger("remat")
 
 class Planner:
     """Plans each joint graph as dynamo compiles it (``plan``): its plan for the first
-    step, and under inductor its only one.
+    step, and as inductor's partitioner (``remat.partitioner``) its only one.
 
     ``joint_follows``: the step is planned as one after its first run
     (``remat.runtime``), so a graph that cannot fit what is left of the budget runs its
     lowest-peak plan for that step instead of being refused; False where remat does not
-    run the programs (inductor), and a graph's plan is its last word.
+    run the programs (``remat.partitioner``), and a graph's plan is its last word.
     """
 
     def __init__(
@@ -134,7 +134,6 @@ class Planner:
         stored_peak: int = 0,
         alone: bool = False,
         unseen: bool = False,
-        tentative: bool = False,
     ) -> CompiledGraph:
         """Plan ``joint`` (AOTAutograd's joint graph, rewritten in place by the passes) and
         rewrite it into programs.
@@ -150,8 +149,6 @@ class Planner:
         the widest room it can (``first_step.widest_room``). A graph with symbolic sizes is planned
         at the sizes it was traced at, or larger ones an earlier trace of its code ran at (``seen``,
         per input of the joint graph: ``Sizes.hints``); ``replan`` plans it again at larger ones.
-        ``tentative``: the caller plans otherwise where this is refused, so a refusal comes
-        cheap (where the greedy finds no plan under the limit, no solve; none names a minimum).
         """
         start = time.perf_counter()
         self.budget = on_device(self.budget, _device_of(joint))  # "device": bytes from now on
@@ -179,7 +176,7 @@ class Planner:
             record = self._plan_at(
                 joint, num_fwd_outputs, name, binding, held, leaves, compile_id,
                 held_stored=held_stored, stored_peak=stored_peak, alone=alone, unseen=unseen,
-                tentative=tentative, as_given=as_given if alone and not held else None,
+                as_given=as_given if alone and not held else None,
             )  # fmt: skip
             solved = time.perf_counter()
             eager = self.compiler == "eager"
@@ -193,7 +190,9 @@ class Planner:
         record = dataclasses.replace(record, plan_seconds=done - start, phase_seconds=phases)
         self.graphs[-1] = record
         self._log(record, binding)
-        return CompiledGraph(record, joint, num_fwd_outputs, fw, bw, sizes, binding)
+        return CompiledGraph(
+            record, joint, num_fwd_outputs, fw, bw, sizes, binding, compiler=self.compiler
+        )
 
     def replan(
         self,
@@ -238,7 +237,6 @@ class Planner:
         alone: bool = False,
         unseen: bool = False,
         theirs_before: Plan | None = None,
-        tentative: bool = False,
         as_given: Phases | None = None,
     ) -> GraphPlan:
         """The recorded plan of ``joint`` at ``binding`` (its problem ``extracted``, else
@@ -308,7 +306,6 @@ class Planner:
                     whole,
                     reference,
                     reserve if room is None else room,
-                    tentative,
                     copied,
                 )
             except InfeasibleBudget as refusal:
@@ -354,10 +351,11 @@ class Planner:
         )
 
     def held_by_earlier_frames(self) -> int:
-        """What earlier graphs of the step hold, where remat sees no runs (inductor compiles
-        the programs): the latest compile of each dynamo frame numbered below the current
-        one (frames are numbered in the order a step reaches them; a recompile for new
-        shapes replaces its frame's graph), each holding its saved values and outputs."""
+        """What earlier graphs of the step hold, where remat sees no runs (as inductor's
+        partitioner, ``remat.partitioner``): the latest compile of each dynamo frame
+        numbered below the current one (frames are numbered in the order a step reaches
+        them; a recompile for new shapes replaces its frame's graph), each holding its
+        saved values and outputs."""
         current = CompileContext.current_compile_id()
         if current is None:
             return 0
@@ -378,17 +376,16 @@ class Planner:
         whole: bool = False,
         reference: int | None = None,
         reserve: int = 0,
-        tentative: bool = False,
         copied: int = 0,
     ) -> Plan:
         """The plan under ``limit`` (or a cheaper one of ``candidates`` that fits), room for
         the code after the graph kept (``first_step.with_room``). Where none fits: refused
-        where no step is planned as one (inductor) or the graph is the ``whole`` step
-        (before anything runs), else the lowest-peak plan: the step planned as one at its
-        end fits or names the step's minimum, which can be below the graph's (904 B against
-        912 B: a graph holds its outputs to the step's end). ``held``: earlier graphs'.
-        ``tentative``: as ``plan`` takes it. ``copied``: bytes autograd copies a gradient
-        into once the backward returned (``passes.layouts.copied_into_grad``)."""
+        where no step is planned as one (``remat.partitioner``) or the graph is the
+        ``whole`` step (before anything runs), else the lowest-peak plan: the step planned
+        as one at its end fits or names the step's minimum, which can be below the
+        graph's (904 B against 912 B: a graph holds its outputs to the step's end).
+        ``held``: earlier graphs'. ``copied``: bytes autograd copies a gradient into once
+        the backward returned (``passes.layouts.copied_into_grad``)."""
         room = with_room(problem, reserve, copied) if reserve or copied else None
         planned = problem if room is None else room.problem
 
@@ -400,10 +397,8 @@ class Planner:
             return plan if room is None else own_plan(room, plan, problem)
 
         solver = self.solver
-        if solver in CPSAT_SOLVERS and (tentative or self.joint_follows and not whole):
+        if solver in CPSAT_SOLVERS and self.joint_follows and not whole:
             solver = functools.partial(SOLVERS[solver], probes=0)  # a refusal names no minimum
-        if tentative and (lowest := min_peak_plan(planned)).peak > limit:
-            raise InfeasibleBudget(limit, lowest.peak, store_all(planned).peak, name)
         if whole or not self.joint_follows:
             try:
                 return own(solve(planned, limit, self._cached(solver, agree), offered))

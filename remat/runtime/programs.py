@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,13 +12,14 @@ import torch
 from torch import fx
 
 from remat.compiled import CompiledGraph, GraphPlan
-from remat.passes._torch_compat import FakeTensor, boxed, real_tensors
+from remat.passes._torch_compat import FakeTensor, boxed, inductor_program, real_tensors
 from remat.passes.extract import Extracted, is_symbolic, is_tangent
 from remat.passes.rewrite import rewrite
 from remat.passes.sizes import Binding, Sizes, no_guards
 from remat.solvers import Plan, Problem
 
 aten = torch.ops.aten
+log = logging.getLogger("remat")
 CPU = torch.device("cpu")
 MARKER = "remat_marker"  # the backward's input for its run's marker
 
@@ -52,7 +54,9 @@ class Graph:
     @classmethod
     def from_compiled(cls, compiled: CompiledGraph) -> Graph:
         record = compiled.record
-        first = make_program(record.plan, compiled.forward, compiled.backward, record.extracted)
+        first = make_program(
+            record.plan, compiled.forward, compiled.backward, record.extracted, compiled.compiler
+        )
         return cls(compiled, [first])
 
     @property
@@ -102,10 +106,14 @@ class Graph:
         for k, p in enumerate(self.programs):
             if p.plan.saved == plan.saved and _order(p.plan) == _order(plan):
                 return k
+        compiler = self.compiled.compiler
         with no_guards(self.joint):
-            fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
+            fw, bw = rewrite(
+                self.joint, self.record.extracted, plan, self.num_fwd_outputs,
+                eager=compiler == "eager",
+            )  # fmt: skip
         add_marker_slot(fw, bw, self.num_fwd_outputs)
-        self.programs.append(make_program(plan, fw, bw, self.record.extracted))
+        self.programs.append(make_program(plan, fw, bw, self.record.extracted, compiler))
         return len(self.programs) - 1
 
 
@@ -146,10 +154,15 @@ def _empty_fake(gm: fx.GraphModule) -> FakeTensor:
 
 
 def make_program(
-    plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule, extracted: Extracted
+    plan: Plan,
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    extracted: Extracted,
+    compiler: str = "eager",
 ) -> Program:
-    """``plan``'s programs (with their marker's slot), with their tangent inputs and
-    returned gradients as problem nodes (what ``Link``s are made of)."""
+    """``plan``'s programs (with their marker's slot), run op by op or compiled by
+    ``compiler``, with their tangent inputs and returned gradients as problem nodes (what
+    ``Link``s are made of)."""
     where = {n.name: i for i, n in enumerate(extracted.fx_nodes)}
     inputs = bw.graph.find_nodes(op="placeholder")
     tangents = tuple((k, where[p.name]) for k, p in enumerate(inputs) if is_tangent(p))
@@ -157,4 +170,29 @@ def make_program(
     grads = tuple(where.get(g.name) if isinstance(g, fx.Node) else None for g in returned)
     syms = next((k for k, p in enumerate(inputs) if not is_symbolic(p)), len(inputs))
     saved = (tangents[0][0] if tangents else len(inputs)) - syms - 1  # less the marker
-    return Program(plan, boxed(fw), boxed(bw), tangents, grads, saved, syms)
+    forward, backward = (None, None) if compiler == "eager" else _compiled(fw, bw)
+    if backward is None:
+        return Program(plan, boxed(fw), boxed(bw), tangents, grads, saved, syms)
+
+    def run_backward(args: list):
+        # a compiled program checks its inputs' sizes: the marker's encode its run
+        args[syms] = torch.empty((0, 0, 0))
+        return backward(args)
+
+    run_backward._boxed_call = True
+    return Program(plan, forward, run_backward, tangents, grads, saved, syms)
+
+
+def _compiled(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[Callable | None, Callable | None]:
+    """The two programs compiled by inductor, or (None, None) where either cannot be
+    (``passes._torch_compat.inductor_program``): they then run op by op, with the
+    schedule remat planned (logged once per program)."""
+    forward = inductor_program(fw)
+    backward = None if forward is None else inductor_program(bw, backward=True)
+    if backward is None:
+        log.info(
+            "remat: a program at symbolic sizes runs op by op: inductor's compile of it "
+            "guards its sizes, and no dynamo compile is in progress to check those guards"
+        )
+        return None, None
+    return forward, backward

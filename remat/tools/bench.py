@@ -29,9 +29,9 @@ a partition that recomputes dropout with a fresh mask trains on wrong gradients,
 point does not count as a point of the curve (``dominates``). Inductor draws random numbers
 its own way, and below float32 (``--size dtype=bfloat16``) the compiled graph rounds its
 decomposed ops otherwise than eager, so with ``compiler="inductor"`` on a random step
-(eager's gradients depend on the seed), and on any step in low precision, torch's and
-remat's rows are compared with plain ``torch.compile``'s instead (``grad_reference``;
-``remat.tools.grads``).
+(eager's gradients depend on the seed) torch's rows, and on any step in low precision
+torch's and remat's, are compared with plain ``torch.compile``'s instead
+(``grad_reference``; ``remat.tools.grads``).
 Then ``repeat`` timed rounds, each running one step of every configuration in turn (the
 first round in table order, later ones shuffled with a fixed seed), so that drift of the
 machine hits all alike and no configuration always follows the same one; a row's
@@ -61,7 +61,13 @@ from remat.passes._torch_compat import compile_caches_off, dynamo_config
 from remat.solvers import format_bytes
 from remat.solvers.solve import with_time_limit
 from remat.tools import examples
-from remat.tools.grads import GRAD_SEED, grad_error, gradients, reference_gradients
+from remat.tools.grads import (
+    GRAD_SEED,
+    grad_error,
+    gradients,
+    reference_for,
+    reference_gradients,
+)
 from remat.tools.methods import Skip, model_for
 from remat.tools.models import floating_dtype
 from remat.tools.rows import Row
@@ -341,8 +347,7 @@ def _first_step(cfg: _Config, dev: torch.device, references) -> None:
         _step(cfg)
     _sync(dev)
     row.compile_s = time.perf_counter() - start
-    compiled = row.method in ("torch", "remat") and "torch.compile" in references
-    row.grad_reference = "torch.compile" if compiled else "eager"
+    row.grad_reference = reference_for(row.method, references)
     row.grad_error = grad_error(gradients(cfg.params), references[row.grad_reference])
     _zero_grad(cfg)
 

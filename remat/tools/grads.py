@@ -5,7 +5,10 @@ configuration's warm-up step runs from ``GRAD_SEED`` and its gradients are compa
 eager's from the same seed. Where a plain compiled step computes other numbers than eager
 (inductor draws random numbers its own way; below float32, the compiled graph's
 decompositions round otherwise), the compiled rows are compared with a plain
-``torch.compile``'s instead.
+``torch.compile``'s instead (``reference_for``): torch's rows under inductor on a random
+step, and every compiled row below float32. remat's rows under inductor keep eager's as
+their reference on a random step: remat draws dropout's masks from eager's generator
+there too (``passes.rng``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from remat.tools import examples
 from remat.tools.methods import torch_compiled
 from remat.tools.rows import GRAD_TOLERANCE
 
-__all__ = ["GRAD_SEED", "grad_error", "gradients", "reference_gradients"]
+__all__ = ["GRAD_SEED", "grad_error", "gradients", "reference_for", "reference_gradients"]
 
 GRAD_SEED = 1234  # every configuration's first step draws from this seed
 
@@ -44,6 +47,15 @@ def reference_gradients(
         say("one plain torch.compile step: the compiled rows' reference")
         references["torch.compile"] = _compiled_gradients(spec, kwargs, compiler)
     return references
+
+
+def reference_for(method: str, references: dict[str, list[torch.Tensor]]) -> str:
+    """The reference a row of ``method`` is compared with, of ``reference_gradients``'."""
+    if "torch.compile" not in references or method not in ("torch", "remat"):
+        return "eager"
+    if method == "remat" and not _below_float32(references["eager"]):
+        return "eager"  # a random step under inductor: remat replays eager's masks
+    return "torch.compile"
 
 
 def _eager_gradients(spec, kwargs, seed: int = GRAD_SEED) -> list[torch.Tensor]:

@@ -478,7 +478,54 @@ def test_inductor_compiler_trains_like_eager_under_the_budget():
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5)
     model.zero_grad(set_to_none=True)
     peak = memory.peak(lambda: optimized(*inputs).backward()).peak_bytes
-    assert peak <= 1.10 * optimized.remat.report().graphs[0].limit
+    report = optimized.remat.report()
+    assert peak <= report.steps[-1].limit, (peak, report.steps[-1].limit)
+    assert abs(peak - report.predicted_peak) <= 0.01 * peak, (peak, report.predicted_peak)
+
+
+class _BrokenLogits(torch.nn.Module):
+    """Two stacks with a graph break between, returning logits: a step of two graphs and
+    the loss outside them."""
+
+    def __init__(self, width: int = 256, classes: int = 512):
+        super().__init__()
+        self.a = torch.nn.Sequential(
+            *(m for _ in range(3) for m in (torch.nn.Linear(width, width), torch.nn.GELU()))
+        )
+        self.b = torch.nn.Sequential(
+            *(m for _ in range(3) for m in (torch.nn.Linear(width, width), torch.nn.GELU()))
+        )
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.head(self.b(h))
+
+
+@pytest.mark.slow
+def test_inductor_plans_a_step_of_two_graphs_and_the_loss_outside_as_one():
+    """Under inductor the step runner runs inductor's programs: the step is planned as
+    one from its second on, graph break and loss outside included, and keeps the budget."""
+    torch.manual_seed(0)
+    model = _BrokenLogits()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(512, 256), torch.randint(0, 512, (512,))
+
+    def step(fn, module):
+        module.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(fn(x), y).backward()
+
+    budget = int(0.6 * memory.peak(lambda: step(reference, reference)).peak_bytes)
+    optimized = remat.optimize(model, budget=budget, compiler="inductor", cache=False)
+    step(optimized, model)  # compiles, outside a profiler
+    peak = memory.peak(lambda: step(optimized, model)).peak_bytes
+    report = optimized.remat.report()
+    assert report.steps and report.steps[-1].graphs == ("graph0", "graph1")
+    assert peak <= budget, (peak, budget)
+    step(reference, reference)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -505,7 +552,7 @@ def test_inductor_keeps_a_llama_step_with_the_loss_outside_within_the_budget():
     optimized = remat.optimize(lm, budget=budget, compiler="inductor", cache=False)
     step(lambda i: optimized(input_ids=i).logits)  # compiles, outside a profiler
     peak = memory.peak(lambda: step(lambda i: optimized(input_ids=i).logits)).peak_bytes
-    assert peak <= 1.05 * budget, (peak, budget)
+    assert peak <= budget, (peak, budget)
 
 
 def test_profile_cost_model_plans_with_measured_times():
