@@ -14,7 +14,7 @@ from torch import fx
 from remat.compiled import CompiledGraph, GraphPlan
 from remat.passes._torch_compat import FakeTensor, boxed, inductor_program, real_tensors
 from remat.passes.extract import Extracted, is_symbolic, is_tangent
-from remat.passes.rewrite import rewrite
+from remat.passes.rewrite import reshape_views, rewrite
 from remat.passes.sizes import Binding, Sizes, no_guards
 from remat.solvers import Plan, Problem
 
@@ -172,6 +172,9 @@ def make_program(
     saved = (tangents[0][0] if tangents else len(inputs)) - syms - 1  # less the marker
     forward, backward = (None, None) if compiler == "eager" else _compiled(fw, bw)
     if backward is None:
+        if compiler != "eager":  # written for a compiler that lays tensors out itself
+            reshape_views(fw)
+            reshape_views(bw)
         return Program(plan, boxed(fw), boxed(bw), tangents, grads, saved, syms)
 
     def run_backward(args: list):

@@ -143,6 +143,31 @@ def test_under_inductor_sizes_vary_as_under_eager():
 
 
 @pytest.mark.slow
+def test_under_inductor_a_program_compiled_after_the_trace_may_run_op_by_op(monkeypatch, caplog):
+    """Where inductor's compile of a program made after dynamo's trace guards its sizes,
+    nothing would check those guards, so the program runs op by op (its views made
+    reshapes, as under eager): here every such compile is taken to guard."""
+    from remat.passes._torch_compat import CompileContext
+    from remat.runtime import programs
+
+    real = programs.inductor_program
+
+    def guarded(gm, **kwargs):
+        return real(gm, **kwargs) if CompileContext.current_compile_id() else None
+
+    monkeypatch.setattr(programs, "inductor_program", guarded)
+    torch._dynamo.reset()
+    model, rows = _deep_mlp()
+    budget = 3_000_000
+    optimized = remat.optimize(model, budget=budget, cache=False, compiler="inductor")
+    with caplog.at_level("INFO", logger="remat"):
+        for n in (300, 400, 800, 1024):
+            _inductor_step_keeps(model, optimized, rows[:n], budget)
+    assert any("runs op by op" in r.getMessage() for r in caplog.records)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_under_inductor_a_declared_maximum_is_traced_and_planned_once():
     torch._dynamo.reset()
     model, rows = _deep_mlp()
