@@ -677,8 +677,8 @@ def cuda_check(data: dict) -> str:
     return "\n\n".join(parts)
 
 
-# scripts run once per model, each model's result named SCRIPT_MODEL
-PER_MODEL = ("step_time", "page_faults")
+# scripts whose runs are recorded apart (per model, or per compiler), each named SCRIPT_PART
+PER_MODEL = ("step_time", "page_faults", "first_step")
 
 
 def script_table(name: str, view: str | None, data) -> str:

@@ -170,11 +170,14 @@ def make_program(
     grads = tuple(where.get(g.name) if isinstance(g, fx.Node) else None for g in returned)
     syms = next((k for k, p in enumerate(inputs) if not is_symbolic(p)), len(inputs))
     saved = (tangents[0][0] if tangents else len(inputs)) - syms - 1  # less the marker
+    if compiler != "eager":
+        # written for a compiler that lays tensors out itself, they are run again on fake
+        # tensors through inductor's decompositions (or op by op), where a traced view
+        # can meet another layout than it was traced at
+        reshape_views(fw)
+        reshape_views(bw)
     forward, backward = (None, None) if compiler == "eager" else _compiled(fw, bw)
     if backward is None:
-        if compiler != "eager":  # written for a compiler that lays tensors out itself
-            reshape_views(fw)
-            reshape_views(bw)
         return Program(plan, boxed(fw), boxed(bw), tangents, grads, saved, syms)
 
     def run_backward(args: list):
