@@ -24,6 +24,7 @@ from remat.passes._torch_compat import (
     custom_partitioner_base,
     declared_maxima,
     dynamo_compiled_code,
+    inductor_decompositions,
     inductor_program,
 )
 from remat.passes.sizes import Sizes, describe, guard_at_most
@@ -147,7 +148,9 @@ class RematBackend:
     def _compile(self, gm, example_inputs, leaves: Leaves, seen: list):
         """AOTAutograd with remat's partition: the graph it plans goes to the step runner,
         whose forward and backward run its programs (compiled by inductor under
-        ``compiler="inductor"``, traced with inductor's decompositions then). The runner
+        ``compiler="inductor"``, the graph traced with inductor's decompositions then, so
+        remat plans the ops inductor runs: planned on the ops they replace, T5 measured
+        1.25x its budget). The runner
         takes the graph when its forward is compiled, not at the partition: AOTAutograd
         may edit the programs in between (effect tokens, saved-tensors hooks), and they
         must be read as they will run."""
@@ -186,6 +189,7 @@ class RematBackend:
             fw_compiler=compile_forward,
             bw_compiler=compile_backward,
             partition_fn=partition,
+            **({"decompositions": inductor_decompositions()} if inductor else {}),
         )(gm, example_inputs)
 
     def report(self) -> PlanReport:
