@@ -535,7 +535,7 @@ def test_inductor_plans_a_step_of_two_graphs_and_the_loss_outside_as_one():
         module.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(fn(x), y).backward()
 
-    budget = int(0.6 * memory.peak(lambda: step(reference, reference)).peak_bytes)
+    budget = int(0.7 * memory.peak(lambda: step(reference, reference)).peak_bytes)
     optimized = remat.optimize(model, budget=budget, compiler="inductor", cache=False)
     step(optimized, model)  # compiles, outside a profiler
     peak = memory.peak(lambda: step(optimized, model)).peak_bytes
