@@ -106,13 +106,10 @@ class Graph:
         for k, p in enumerate(self.programs):
             if p.plan.saved == plan.saved and _order(p.plan) == _order(plan):
                 return k
-        compiler = self.compiled.compiler
         with no_guards(self.joint):
-            fw, bw = rewrite(
-                self.joint, self.record.extracted, plan, self.num_fwd_outputs,
-                eager=compiler == "eager",
-            )  # fmt: skip
+            fw, bw = rewrite(self.joint, self.record.extracted, plan, self.num_fwd_outputs)
         add_marker_slot(fw, bw, self.num_fwd_outputs)
+        compiler = self.compiled.compiler
         self.programs.append(make_program(plan, fw, bw, self.record.extracted, compiler))
         return len(self.programs) - 1
 
@@ -171,9 +168,9 @@ def make_program(
     syms = next((k for k, p in enumerate(inputs) if not is_symbolic(p)), len(inputs))
     saved = (tangents[0][0] if tangents else len(inputs)) - syms - 1  # less the marker
     if compiler != "eager":
-        # written for a compiler that lays tensors out itself, they are run again on fake
-        # tensors through inductor's decompositions (or op by op), where a traced view
-        # can meet another layout than it was traced at
+        # the planner wrote them for a compiler that lays tensors out itself; they are run
+        # again on fake tensors through inductor's decompositions (or op by op), where a
+        # traced view can meet another layout than it was traced at
         reshape_views(fw)
         reshape_views(bw)
     forward, backward = (None, None) if compiler == "eager" else _compiled(fw, bw)
@@ -198,7 +195,8 @@ def _compiled(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[Callable | None, 
     if backward is None:
         log.info(
             "remat: a program at symbolic sizes runs op by op: inductor's compile of it "
-            "guards its sizes, and no dynamo compile is in progress to check those guards"
+            "guards its sizes where no dynamo compile is in progress to check them, or lays "
+            "out an output otherwise than traced"
         )
         return None, None
     return forward, backward
